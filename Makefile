@@ -1,0 +1,45 @@
+# Two commands for a fresh machine: `make demo` and `make test` (each installs what it needs).
+VENV       ?= .venv
+PY         := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+ARGS       ?=
+PYTEST_ARGS ?=
+export TORCH_SPEC VENV
+
+.PHONY: setup demo test test-unit test-integration test-slow vllm-env lint bench clean
+
+setup:
+	@scripts/setup_env.sh
+
+## Main job on the embedded default target (SmolLM2-135M-Instruct), offline: EAGLE-3 then Medusa.
+demo: setup
+	HF_HUB_OFFLINE=1 $(PY) train/run.py $(ARGS)
+	HF_HUB_OFFLINE=1 $(PY) train/run.py head=medusa $(ARGS)
+
+## Whole suite: unit (tiny random models), integration (default target), slow (DeepSpeed ranks, vLLM).
+test: setup vllm-env
+	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: setup
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not integration and not slow" $(PYTEST_ARGS)
+
+test-integration: setup
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "integration and not slow" $(PYTEST_ARGS)
+
+test-slow: setup vllm-env
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+## Separate environment with the vLLM CPU engine, used to check exports (scripts/vllm_check.py).
+vllm-env:
+	@scripts/setup_vllm_env.sh
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	HF_HUB_OFFLINE=1 $(PY) scripts/bench_extract.py
+	HF_HUB_OFFLINE=1 $(PY) scripts/bench_train.py
+	HF_HUB_OFFLINE=1 $(PY) scripts/bench_decode.py
+
+clean:
+	rm -rf outputs multirun .pytest_cache

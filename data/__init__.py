@@ -1,0 +1,1 @@
+"""Data stage: conversations -> chat-templated tokens with assistant-only loss masks and a draft vocabulary."""

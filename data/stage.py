@@ -1,0 +1,199 @@
+"""Data stage: sources -> (regenerated) conversations -> chat-templated tokens + loss masks + draft vocab.
+
+Writes into ``<run_dir>/data/`` (format documented in the README, "Files between stages"):
+- ``dataset/``: a ``datasets.DatasetDict`` (train, validation) with columns id, source, category,
+  input_ids (int32), loss_mask (int8: 1 on assistant tokens), length;
+- ``vocab.safetensors``: d2t (int64), t2d (bool), masked_counts, all_counts (int64, train split);
+- ``stats.json``: rows read/kept/dropped per reason, tokens, masked tokens, coverage, regeneration;
+- ``manifest.json``: target and tokenizer fingerprints, sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import save_file
+
+from data.formats import (
+    DataError,
+    humaneval_path,
+    leaks,
+    normalise,
+    prompt_key,
+    read_rows,
+    read_source,
+    to_messages,
+)
+from data.regenerate import cache_file, read_cache, regenerate
+from data.template import check_template, tokenize_conversation, with_system
+from data.vocab import build_vocab, coverage, coverage_curve
+from train.log import log, progress
+from train.stages import stage_dir
+from train.target import load_target, load_tokenizer, target_fingerprint, tokenizer_fingerprint
+
+SPLITS = ("train", "validation")
+
+
+def eval_prompt_set(cfg: DictConfig) -> set[str]:
+    """Normalised user prompts of the evaluation sets that training must not see."""
+    prompts = set()
+    if "humaneval" in cfg.data.exclude_eval:
+        for _, row in read_rows(humaneval_path(), "raise", Counter()):
+            prompts.add(normalise(to_messages(row, "humaneval")[0]["content"]))
+            prompts.add(normalise(row["prompt"]))
+    if cfg.eval.get("questions"):
+        for _, row in read_rows(cfg.eval.questions, "raise", Counter()):
+            prompts.update(normalise(m["content"]) for m in to_messages(row, "auto") if m["role"] == "user")
+    return prompts
+
+
+def assign_split(conv: dict, fraction: float, seed: int) -> str:
+    if conv["split"] in SPLITS:
+        return conv["split"]
+    if conv["split"] is not None:
+        raise DataError(f"row {conv['id']}: split must be train or validation, got {conv['split']!r}")
+    return "validation" if random.Random(f"{seed}-{conv['id']}").random() < fraction else "train"
+
+
+def run(cfg: DictConfig) -> dict:
+    dcfg = cfg.data
+    out = stage_dir(cfg, "data")
+    start = time.time()
+    tokenizer = load_tokenizer(cfg)
+    check_template(tokenizer)
+    counts = Counter()
+    convs = []
+    for source in dcfg.sources:
+        source = OmegaConf.to_container(source, resolve=True) if OmegaConf.is_config(source) else dict(source)
+        convs.extend(read_source(source, dcfg.on_error, counts))
+    eval_prompts = eval_prompt_set(cfg)
+    kept = []
+    for conv in convs:
+        conv["split"] = assign_split(conv, dcfg.validation_fraction, cfg.seed)
+        if eval_prompts and leaks(conv["messages"], eval_prompts):
+            counts["dropped_eval_overlap"] += 1
+            continue
+        kept.append(conv)
+    if counts["dropped_eval_overlap"]:
+        log(f"[data] dropped {counts['dropped_eval_overlap']} conversations overlapping evaluation prompts")
+    convs = kept
+
+    regen_stats = None
+    if dcfg.regenerate:
+        path = cache_file(dcfg.regen.dir, target_fingerprint(cfg), dcfg.regen, dcfg.system_prompt)
+        regen_stats = regenerate(convs, load_target(cfg), tokenizer, dcfg.regen, dcfg.system_prompt, path)
+        regen_stats["file"] = str(path)
+        cached = read_cache(path)
+        for conv in convs:
+            row = cached[prompt_key(with_system(conv["messages"], dcfg.system_prompt))]
+            conv["messages"] = row["messages"]
+            counts["answers_truncated"] += int(row["truncated"])
+    else:
+        for conv in convs:
+            conv["messages"] = with_system(conv["messages"], dcfg.system_prompt)
+
+    rows = {s: [] for s in SPLITS}
+    for conv in progress(convs, desc="tokenize", unit="conv"):
+        answers = [m for m in conv["messages"] if m["role"] == "assistant"]
+        if not answers:
+            counts["dropped_no_assistant_turn"] += 1
+            continue
+        if any(not m["content"].strip() for m in answers):
+            counts["dropped_empty_answer"] += 1
+            continue
+        ids, mask = tokenize_conversation(tokenizer, conv["messages"])
+        if len(ids) > dcfg.max_length:
+            if dcfg.overflow == "drop":
+                counts["dropped_too_long"] += 1
+                continue
+            ids, mask = ids[: dcfg.max_length], mask[: dcfg.max_length]
+            counts["truncated_to_max_length"] += 1
+        if not any(mask):
+            counts["dropped_no_assistant_tokens"] += 1
+            continue
+        rows[conv["split"]].append({"id": conv["id"], "source": conv["source"], "category": conv["category"],
+                                    "input_ids": ids, "loss_mask": mask, "length": len(ids)})
+    if not rows["train"]:
+        raise DataError(
+            f"the dataset is empty after filtering ({dict(counts)}). Prompt-only sources need "
+            "data.regenerate=true; check data.sources, data.max_length and data.overflow."
+        )
+
+    vocab_size = len(tokenizer)
+    tally = {}
+    for split in SPLITS:
+        masked, every = torch.zeros(vocab_size, dtype=torch.long), torch.zeros(vocab_size, dtype=torch.long)
+        for r in rows[split]:
+            ids = torch.tensor(r["input_ids"])
+            every += torch.bincount(ids, minlength=vocab_size)
+            masked += torch.bincount(ids[torch.tensor(r["loss_mask"], dtype=torch.bool)], minlength=vocab_size)
+        tally[split] = (masked, every)
+    d2t, t2d = build_vocab(*tally["train"], cfg.head.draft_vocab_size)
+    held_out = tally["validation"][0] if rows["validation"] else tally["train"][0]
+
+    tmp = out / "dataset.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    _to_datasets(rows).save_to_disk(str(tmp))
+    shutil.rmtree(out / "dataset", ignore_errors=True)
+    tmp.rename(out / "dataset")
+    save_file({"d2t": d2t, "t2d": t2d, "masked_counts": tally["train"][0], "all_counts": tally["train"][1]},
+              str(out / "vocab.safetensors"))
+
+    stats = {
+        "rows_read": counts.pop("rows_read", 0),
+        "rows_kept": {s: len(rows[s]) for s in SPLITS},
+        "dropped": {k: v for k, v in counts.items() if k.startswith("dropped") or k in ("bad_row", "malformed_json")},
+        "modified": {k: v for k, v in counts.items() if k in ("truncated_to_max_length", "answers_truncated")},
+        "tokens": {s: int(tally[s][1].sum()) for s in SPLITS},
+        "masked_tokens": {s: int(tally[s][0].sum()) for s in SPLITS},
+        "draft_vocab_size": int(d2t.numel()),
+        "vocab_coverage": {"train": round(coverage(tally["train"][0], t2d), 5),
+                           "validation": round(coverage(held_out, t2d), 5)},
+        "validation_coverage_by_size": coverage_curve(tally["train"][0], held_out, tally["train"][1]),
+        "regeneration": regen_stats,
+        "wall_s": round(time.time() - start, 1),
+    }
+    (out / "stats.json").write_text(json.dumps(stats, indent=2))
+    manifest = {
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "target_fingerprint": target_fingerprint(cfg),
+        "vocab_size": vocab_size,
+        "draft_vocab_size": int(d2t.numel()),
+        "rows": stats["rows_kept"],
+        "tokens": stats["tokens"],
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    log(f"[data] train {len(rows['train'])} rows / {stats['tokens']['train']} tokens "
+        f"({stats['masked_tokens']['train']} assistant), validation {len(rows['validation'])} rows; "
+        f"draft vocab {d2t.numel()} covers {stats['vocab_coverage']['validation']:.2%} of held-out answer tokens")
+    return {"stats": str(out / "stats.json"), **{k: stats[k] for k in ("rows_kept", "tokens", "vocab_coverage")}}
+
+
+def _to_datasets(rows: dict[str, list[dict]]):
+    import datasets
+
+    features = datasets.Features({
+        "id": datasets.Value("string"), "source": datasets.Value("string"), "category": datasets.Value("string"),
+        "input_ids": datasets.Sequence(datasets.Value("int32")), "loss_mask": datasets.Sequence(datasets.Value("int8")),
+        "length": datasets.Value("int32"),
+    })
+    return datasets.DatasetDict({s: datasets.Dataset.from_list(rows[s], features=features) for s in SPLITS})
+
+
+def load_dataset(cfg: DictConfig):
+    """The data stage's DatasetDict (train, validation); rows come as numpy arrays."""
+    import datasets
+
+    return datasets.load_from_disk(str(Path(stage_dir(cfg, "data")) / "dataset")).with_format("numpy")
+
+
+def row_lengths(split) -> list[int]:
+    """Token count of every row of one split of :func:`load_dataset`."""
+    return split.data.column("length").to_pylist()

@@ -1,0 +1,133 @@
+"""Speculative tree decoding for any Hugging Face causal LM (batch size 1, KV cache).
+
+Invariant: of the committed sequence x[0..n), the target's KV cache holds every token but the newest
+(the root). A cycle asks the drafter for a tree below the root, runs ONE target pass over root + nodes
+(tree attention mask, position = n - 1 + depth), accepts a path (eval.sampling), appends its tokens and
+the bonus token, and keeps only the KV rows of the root and the accepted nodes (gathered into place).
+Plain decoding is the same loop with an empty tree, so tau (new tokens / target passes, prefill
+included) is exactly 1 there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from eval.drafters import Drafter
+from eval.sampling import Sampling, accept
+from eval.tree import DraftTree
+
+
+@dataclass
+class Generation:
+    tokens: list[int]                                        # new tokens (EOS included when hit)
+    cycles: int = 1                                          # target passes, prefill included
+    paths: list[list[int]] = field(default_factory=list)     # per verify cycle: accepted drafted nodes
+    prefill_s: float = 0.0
+    draft_s: float = 0.0                                     # drafter: propose + update
+    verify_s: float = 0.0                                    # target verify pass + acceptance + KV gather
+    wall_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return len(self.tokens) / self.cycles
+
+    @property
+    def accept_lengths(self) -> list[int]:
+        """Drafted tokens the target accepted per verify cycle (before EOS / max_new_tokens truncation)."""
+        return [len(p) for p in self.paths]
+
+
+class SpecDecoder:
+    """``generate(prompt, drafter, ...)``; ``prefill``/``verify`` are the two target calls (also timed by
+    :func:`eval.treesize.measure_verify_time`)."""
+
+    def __init__(self, target, eos_token_ids: Iterable[int] = ()):
+        self.target = target
+        self.device = next(target.parameters()).device
+        self.eos = set(eos_token_ids)
+        self.eager = target.config._attn_implementation == "eager"
+
+    def clock(self) -> float:
+        """Seconds, after the device has finished its queued work."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def prefill(self, ids: list[int], hidden_layers: list[int]):
+        """Cache ``ids``; returns (cache, logits [1, vocab] at the last position, hidden_states or None)."""
+        cache = DynamicCache(config=self.target.config)
+        out = self.target(torch.tensor([ids], device=self.device), cache=cache, use_cache=True,
+                          output_hidden_states=hidden_layers or None, logits_to_keep=1)
+        return cache, out.logits[0], out.hidden_states
+
+    def verify(self, cache: DynamicCache, root: int, tree: DraftTree, hidden_layers: list[int]):
+        """One target pass over root + tree nodes; returns (logits [m+1, vocab], hidden_states or None)."""
+        past = cache.get_seq_length()
+        ids = torch.tensor([[root, *tree.tokens]], device=self.device)
+        positions = past + torch.tensor(tree.depths(), device=self.device)
+        tree_mask = tree.ancestor_mask(self.device)
+        mask = torch.cat([tree_mask.new_ones(len(tree_mask), past), tree_mask], 1)[None, None]
+        if self.eager:   # eager attention adds the mask to the scores
+            mask = torch.zeros(mask.shape, dtype=self.target.dtype, device=self.device).masked_fill(
+                ~mask, torch.finfo(self.target.dtype).min)
+        out = self.target(ids, attention_mask=mask, position_ids=positions[None], cache=cache, use_cache=True,
+                          output_hidden_states=hidden_layers or None)
+        return out.logits[0], out.hidden_states
+
+    @staticmethod
+    def _keep_rows(cache: DynamicCache, start: int, rows: list[int]) -> None:
+        """Keep the tree rows ``rows`` (root = 0) of the cache at ``start``.., in that order; drop the rest."""
+        if rows != list(range(len(rows))):
+            src = torch.tensor(rows, device=cache.layers[0].keys.device) + start
+            for layer in cache.layers:
+                layer.keys[:, :, start:start + len(rows)] = layer.keys[:, :, src]
+                layer.values[:, :, start:start + len(rows)] = layer.values[:, :, src]
+        cache.crop(-(cache.get_seq_length() - start - len(rows)))
+
+    def _commit(self, ids: list[int], new: list[int], max_new_tokens: int, prompt_len: int) -> bool:
+        """Append ``new`` to ``ids``, cut at the first EOS and at ``max_new_tokens``; True when done."""
+        cut = next((i + 1 for i, t in enumerate(new) if t in self.eos), len(new))
+        room = max_new_tokens - (len(ids) - prompt_len)
+        ids.extend(new[:min(cut, room)])
+        return ids[-1] in self.eos or len(ids) - prompt_len >= max_new_tokens
+
+    @torch.inference_mode()
+    def generate(self, prompt: list[int], drafter: Drafter, max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, typical: bool = False) -> Generation:
+        """Decode up to ``max_new_tokens`` after ``prompt``; ``typical`` = Medusa typical acceptance (LOSSY)."""
+        gen = torch.Generator(self.device).manual_seed(seed)
+        sampling = Sampling(temperature, top_p, gen)
+        layers = drafter.hidden_layers
+        ids = list(prompt)
+        start = self.clock()
+        drafter.reset(sampling)
+        cache, logits, hidden = self.prefill(ids, layers)
+        _, first = accept(DraftTree([], []), logits, sampling)
+        out = Generation([])
+        done = self._commit(ids, [first], max_new_tokens, len(prompt))
+        out.prefill_s = (t := self.clock()) - start
+        while not done:
+            drafter.update(ids, {layer: hidden[layer] for layer in layers})
+            tree = drafter.propose(ids)
+            out.draft_s += (t2 := self.clock()) - t
+            past = cache.get_seq_length()
+            logits, hidden = self.verify(cache, ids[-1], tree, layers)
+            path, bonus = accept(tree, logits, sampling, typical)
+            out.paths.append(path)
+            out.cycles += 1
+            done = self._commit(ids, [tree.tokens[i - 1] for i in path] + [bonus], max_new_tokens, len(prompt))
+            rows = [0, *path]
+            if not done:
+                self._keep_rows(cache, past, rows)
+                if layers:
+                    index = torch.tensor(rows, device=self.device)
+                    hidden = {layer: hidden[layer][:, index] for layer in layers}
+            out.verify_s += (t := self.clock()) - t2
+        out.tokens = ids[len(prompt):]
+        out.wall_s = self.clock() - start
+        return out

@@ -1,0 +1,183 @@
+"""Aggregating per-prompt decode records into the eval report: results, recommendations, Markdown, plots."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from eval.drafters import METHODS
+
+RESULT_KEYS = ("dataset", "category", "method", "temperature", "n_prompts", "new_tokens", "cycles", "tau",
+               "tokens_per_s", "plain_tokens_per_s", "speedup", "draft_time_share", "identical_to_plain")
+
+
+def aggregate(records: list[dict]) -> list[dict]:
+    """One row per dataset x category (and "all") x method x temperature. Records are per prompt:
+    dataset, category, method, temperature, new_tokens, cycles, wall_s, draft_s, identical, acceptance."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        for category in (r["category"], "all"):
+            groups[(r["dataset"], category, r["method"], r["temperature"])].append(r)
+    rows = []
+    datasets = list(dict.fromkeys(r["dataset"] for r in records))
+    categories = ["all", *dict.fromkeys(r["category"] for r in records)]
+    order = {m: i for i, m in enumerate(METHODS)}
+    for (dataset, category, method, temperature), rs in sorted(groups.items(), key=lambda kv: (
+            datasets.index(kv[0][0]), kv[0][3], categories.index(kv[0][1]), order[kv[0][2]])):
+        plain = groups[(dataset, category, "plain", temperature)]
+        tokens, wall = sum(r["new_tokens"] for r in rs), sum(r["wall_s"] for r in rs)
+        tps = tokens / wall
+        plain_tps = sum(r["new_tokens"] for r in plain) / sum(r["wall_s"] for r in plain)
+        rows.append({
+            "dataset": dataset, "category": category, "method": method, "temperature": temperature,
+            "n_prompts": len(rs), "new_tokens": tokens, "cycles": sum(r["cycles"] for r in rs),
+            "tau": tokens / sum(r["cycles"] for r in rs),
+            "tokens_per_s": tps, "plain_tokens_per_s": plain_tps, "speedup": tps / plain_tps,
+            "draft_time_share": sum(r["draft_s"] for r in rs) / wall,
+            "identical_to_plain": all(r["identical"] for r in rs) if temperature == 0 else None,
+            "acceptance": rs[0]["acceptance"],
+        })
+    return rows
+
+
+def recommend(results: list[dict], min_speedup: float) -> list[dict]:
+    """Per dataset x category x temperature: the fastest lossless method when it beats plain decoding by
+    at least ``min_speedup``, else none (deploy plain decoding)."""
+    best: dict[tuple, dict] = {}
+    for r in results:
+        if r["method"] == "plain" or r["acceptance"] != "exact":
+            continue
+        key = (r["dataset"], r["category"], r["temperature"])
+        if key not in best or r["speedup"] > best[key]["speedup"]:
+            best[key] = r
+    out = []
+    for (dataset, category, temperature), r in best.items():
+        good = r["speedup"] >= min_speedup
+        out.append({"dataset": dataset, "category": category, "temperature": temperature,
+                    "method": r["method"] if good else None, "speedup": r["speedup"], "tau": r["tau"],
+                    "best_candidate": r["method"],
+                    "reason": f"{r['speedup']:.2f}x over plain" if good else
+                    f"nothing beats plain decoding by {min_speedup:.2f}x (best: {r['method']} {r['speedup']:.2f}x)"})
+    return out
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
+
+
+def markdown(report: dict) -> str:
+    """The report a person reads: what speculation costs, how fast each method is, what to deploy."""
+    tree = report["tree"]
+    lines = [f"# Speculative decoding eval: {report['target']} + {report['head']} head", "",
+             f"Device {report['device']}, {report['dtype']}. Speedup = tokens/s over plain decoding measured in "
+             "the same process, prompt by prompt. tau = new tokens / target forward passes (prefill included).", "",
+             "## What speculation costs", ""]
+    lines += _table(["", "parameters", "memory (MB)"], [
+        ["target", f"{report['target_params']:,}", report["target_memory_mb"]],
+        [f"{report['head']} head", f"{report['head_params']:,}", report["head_extra_memory_mb"]],
+    ])
+    lines += ["", "Head parameters are the trained ones; its memory counts every tensor it holds (an EAGLE-3 "
+              "head also keeps its own copy of the target's input embedding).", "", "## Tree", ""]
+    if report["head"] == "eagle3":
+        lines.append(f"- EAGLE-2 tree: top_k {tree['top_k']}, depth {tree['depth']}, total_tokens "
+                     f"{tree['total_tokens']} ({tree['total_tokens_source']})")
+    else:
+        lines.append(f"- Medusa tree: {tree['medusa_nodes']} nodes")
+    lines += [f"- chains: {tree['chain_k']} draft tokens; verify time of the target vs tree tokens on this machine:", ""]
+    sizes = list(tree["verify_ms"])
+    rows = [["verify ms", *[tree["verify_ms"][s] for s in sizes]]]
+    for key, label in (("acceptance_curve", "tau (measured)"), ("predicted_speedup", "predicted speedup")):
+        if tree.get(key):
+            rows.append([label, *[tree[key].get(s) for s in sizes]])
+    lines += _table(["tree tokens", *map(str, sizes)], rows) + [""]
+    lines += ["## Results", ""]
+    for (dataset, temperature) in dict.fromkeys((r["dataset"], r["temperature"]) for r in report["results"]):
+        lines += [f"### {dataset}, temperature {temperature}", ""]
+        rows = [[r["category"], r["method"] + ("" if r["acceptance"] == "exact" else " (LOSSY)"), r["n_prompts"],
+                 r["tau"], r["tokens_per_s"], r["plain_tokens_per_s"], r["speedup"], r["draft_time_share"],
+                 r["identical_to_plain"]]
+                for r in report["results"] if r["dataset"] == dataset and r["temperature"] == temperature]
+        lines += _table(["category", "method", "prompts", "tau", "tok/s", "plain tok/s", "speedup", "draft share",
+                         "identical"], rows) + [""]
+    lines += ["## Recommendation", ""]
+    for rec in report["recommendations"]:
+        verdict = f"deploy **{rec['method']}**" if rec["method"] else "**plain decoding** (no speculation)"
+        lines.append(f"- {rec['dataset']} / {rec['category']} / T={rec['temperature']}: {verdict} -- {rec['reason']}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], records: list[dict], out: Path) -> list[Path]:
+    """Per temperature: speedup and tau per category per method (a row per dataset), and histograms of
+    per-cycle accepted lengths per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    for temperature in dict.fromkeys(r["temperature"] for r in results):
+        rows = [r for r in results if r["temperature"] == temperature]
+        datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+        methods = list(dict.fromkeys(r["method"] for r in rows))
+        width = 0.8 / len(methods)
+        fig, axes = plt.subplots(len(datasets), 2, figsize=(14, 3.5 * len(datasets)), squeeze=False)
+        for (ax_speed, ax_tau), dataset in zip(axes, datasets, strict=True):
+            cats = list(dict.fromkeys(r["category"] for r in rows if r["dataset"] == dataset))
+            for ax, key in ((ax_speed, "speedup"), (ax_tau, "tau")):
+                value = {(r["category"], r["method"]): r[key] for r in rows if r["dataset"] == dataset}
+                for j, m in enumerate(methods):
+                    ax.bar([i + j * width for i in range(len(cats))], [value.get((c, m), 0) for c in cats],
+                           width, label=m)
+                ax.axhline(1.0, color="black", lw=0.8)
+                ax.set_title(f"{dataset}: {key}, temperature {temperature}")
+                ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
+        axes[0, 0].legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        files.append(out / f"speedup_T{temperature}.png")
+        fig.savefig(files[-1], dpi=100)
+        plt.close(fig)
+    for temperature in dict.fromkeys(r["temperature"] for r in records):
+        lengths: dict[str, list[int]] = defaultdict(list)
+        for r in sorted(records, key=lambda r: METHODS.index(r["method"])):
+            if r["temperature"] == temperature and r["method"] != "plain":
+                lengths[r["method"]] += r["accept_lengths"]
+        if not lengths:
+            continue
+        top = max(max(v, default=0) for v in lengths.values())
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for m, v in lengths.items():
+            ax.hist(v, bins=[b - 0.5 for b in range(top + 2)], density=True, histtype="step", lw=1.5, label=m)
+        ax.set_xlabel("drafted tokens accepted per cycle (tokens per cycle - 1)")
+        ax.set_ylabel("share of cycles")
+        ax.set_title(f"accepted lengths, temperature {temperature}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        files.append(out / f"accept_hist_T{temperature}.png")
+        fig.savefig(files[-1], dpi=100)
+        plt.close(fig)
+    return files
+
+
+def log_wandb(cfg, report: dict, images: list[Path]) -> None:
+    """Log the results table (and plots) into the active W&B run, or into a new offline one."""
+    import wandb
+
+    own = wandb.run is None
+    run = wandb.init(project=cfg.tracking.project, entity=cfg.tracking.entity, name=cfg.tracking.name,
+                     dir=str(cfg.run_dir), mode=cfg.tracking.mode, job_type="eval") if own else wandb.run
+    columns = list(RESULT_KEYS)
+    run.log({"eval/results": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in report["results"]]),
+             **{f"eval/{p.stem}": wandb.Image(str(p)) for p in images}})
+    for rec in report["recommendations"]:
+        run.summary[f"eval/speedup/{rec['dataset']}/{rec['category']}/T{rec['temperature']}"] = rec["speedup"]
+    if own:
+        run.finish()

@@ -1,0 +1,57 @@
+"""How big a draft tree pays off on the machine at hand.
+
+speedup(T) ~= tau(T) * t_verify(1) / (t_verify(T) + t_draft): the target's verify time grows with the
+number of tree tokens T (slowly on a GPU, quickly on a CPU) while the accepted length tau(T) saturates.
+Both curves are measured: the verify time with the decoder's own verify pass on a real context, tau(T)
+from greedy decodes with the largest tree (EAGLE trees are returned in score order, so the tree of
+T tokens is the first T - 1 nodes of a bigger one).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from eval.decoder import Generation, SpecDecoder
+from eval.tree import DraftTree
+
+SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+@torch.inference_mode()
+def measure_verify_time(decoder: SpecDecoder, context: list[int], sizes: tuple[int, ...] = SIZES,
+                        repeats: int = 3, hidden_layers: list[int] | None = None) -> dict[int, float]:
+    """Median ms of one verify pass over ``T`` tree tokens (root + a chain of T - 1 nodes, taken from
+    ``context`` itself) after ``context`` is cached, for each T in ``sizes``."""
+    layers = hidden_layers or []
+    cache, _, _ = decoder.prefill(context[:-1], layers)
+    past = cache.get_seq_length()
+    timings = {}
+    for size in sizes:
+        tree = DraftTree.chain(context[:size - 1])
+        times = []
+        for _ in range(repeats + 1):           # the first call warms up
+            start = decoder.clock()
+            decoder.verify(cache, context[-1], tree, layers)
+            times.append(decoder.clock() - start)
+            cache.crop(-(cache.get_seq_length() - past))
+        timings[size] = 1e3 * statistics.median(times[1:])
+    return timings
+
+
+def acceptance_curve(generations: list[Generation], sizes: tuple[int, ...]) -> dict[int, float]:
+    """Expected tokens per cycle (accepted + bonus) had the tree held only ``T`` tokens, for T in
+    ``sizes``, from greedy generations with a larger score-ordered tree: a path's nodes below T stay."""
+    paths = [p for g in generations for p in g.paths]
+    if not paths:
+        return {size: 1.0 for size in sizes}
+    return {size: 1.0 + sum(sum(node < size for node in p) for p in paths) / len(paths) for size in sizes}
+
+
+def choose_total_tokens(verify_ms: dict[int, float], tau: dict[int, float], draft_ms: float) -> tuple[int, dict[int, float]]:
+    """The tree size (2 tokens or more: the root alone is plain decoding) with the best predicted speedup,
+    and the prediction for every size."""
+    sizes = sorted(t for t in set(verify_ms) & set(tau) if t >= 2)
+    predicted = {t: tau[t] * verify_ms[1] / (verify_ms[t] + draft_ms) for t in sizes}
+    return max(predicted, key=predicted.get), predicted

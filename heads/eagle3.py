@@ -1,0 +1,266 @@
+"""EAGLE-3 draft head (one file, names = checkpoint keys of the EAGLE/SGLang format).
+
+    taps (3 target layers, concatenated low|mid|high) --fc--> h
+    midlayer: x = cat(input_layernorm(embed(token)), hidden_norm(h)); h = h + attn(x); h = h + mlp(norm(h))
+    logits over the draft vocabulary = lm_head(norm(h)); draft id i is target id i + d2t[i]
+
+The layer output before ``norm`` is the feature fed to the next draft step. How attention sees keys
+is decided by the cache object passed to :meth:`Eagle3Head.forward`: :class:`TTTCache` for
+training-time test, :class:`KVCache` for decoding (tree masks). The head holds no training code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class Eagle3Config:
+    vocab_size: int                 # the target's
+    draft_vocab_size: int
+    hidden_size: int
+    target_hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    aux_layers: list[int] = field(default_factory=list)   # HF hidden_states indices (input of layer i)
+    num_target_layers: int = 0
+
+    @classmethod
+    def from_target(cls, tcfg, head_cfg, draft_vocab_size: int) -> Eagle3Config:
+        """Defaults from the target's config; any non-null key of ``head_cfg`` overrides."""
+        tcfg = getattr(tcfg, "text_config", tcfg)
+        n = tcfg.num_hidden_layers
+        heads = tcfg.num_attention_heads
+        rope = getattr(tcfg, "rope_parameters", None) or {}
+        defaults = dict(
+            hidden_size=tcfg.hidden_size,
+            intermediate_size=tcfg.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads,
+            rms_norm_eps=tcfg.rms_norm_eps,
+            rope_theta=rope.get("rope_theta", getattr(tcfg, "rope_theta", 10000.0)),
+            aux_layers=[2, n // 2, n - 3],
+        )
+        for key in defaults:
+            if head_cfg.get(key) is not None:
+                defaults[key] = head_cfg[key]
+        cfg = cls(
+            vocab_size=tcfg.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=tcfg.hidden_size,
+            max_position_embeddings=tcfg.max_position_embeddings,
+            num_target_layers=n,
+            **defaults,
+        )
+        cfg.aux_layers = [int(i) for i in cfg.aux_layers]
+        if len(cfg.aux_layers) != 3 or not all(0 <= i <= n for i in cfg.aux_layers):
+            raise ValueError(f"head.aux_layers must be 3 hidden_states indices in [0, {n}], got {cfg.aux_layers}")
+        if cfg.hidden_size != cfg.target_hidden_size:
+            raise ValueError("head.hidden_size must equal the target's hidden size: the head uses the target's "
+                             f"embedding ({cfg.target_hidden_size} wide), got {cfg.hidden_size}")
+        return cfg
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class TTTCache:
+    """Attention of training-time test (EAGLE-3).
+
+    Step 0: causal attention over the sequence (right padding needs no extra mask). Step k > 0: row t
+    attends to step-0 keys [0..t] plus the keys of row t of steps 1..k (a diagonal), in one softmax.
+    """
+
+    def __init__(self):
+        self.k0 = self.v0 = None
+        self.diag: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.k0 is None:
+            self.k0, self.v0 = k, v
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        self.diag.append((k, v))
+        groups = q.shape[1] // k.shape[1]
+        k0, v0 = self.k0.repeat_interleave(groups, 1), self.v0.repeat_interleave(groups, 1)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        T = q.shape[2]
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        s0 = (q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))
+        sd = torch.stack([(q * kj.repeat_interleave(groups, 1)).sum(-1) for kj, _ in self.diag], -1) * scale
+        scores = torch.cat([s0, sd], -1)
+        p = torch.softmax(scores, -1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
+        out = p[..., :T] @ v0
+        for j, (_, vj) in enumerate(self.diag):
+            out = out + p[..., T + j, None] * vj.repeat_interleave(groups, 1)
+        return out
+
+
+class KVCache:
+    """Draft KV for decoding: ``committed`` context rows plus ``pending`` rows (the tree being drafted).
+
+    Before a forward the caller sets ``mask``: bool [q_len, committed + pending + q_len] (True = may
+    attend), or None for "all committed and pending rows, causal among the new ones".
+    """
+
+    def __init__(self):
+        self.k = self.v = None          # committed [B, kv_heads, L, head_dim]
+        self.pk = self.pv = None        # pending
+        self.mask: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.pk = k if self.pk is None else torch.cat([self.pk, k], 2)
+        self.pv = v if self.pv is None else torch.cat([self.pv, v], 2)
+        keys = self.pk if self.k is None else torch.cat([self.k, self.pk], 2)
+        values = self.pv if self.v is None else torch.cat([self.v, self.pv], 2)
+        mask = self.mask
+        if mask is None:
+            T, S = q.shape[2], keys.shape[2]
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+    def commit(self, rows: torch.Tensor | None = None) -> None:
+        """Keep pending ``rows`` (all when None) as context, drop the other pending rows."""
+        if self.pk is not None:
+            pk, pv = (self.pk, self.pv) if rows is None else (self.pk[:, :, rows], self.pv[:, :, rows])
+            self.k = pk if self.k is None else torch.cat([self.k, pk], 2)
+            self.v = pv if self.v is None else torch.cat([self.v, pv], 2)
+        self.drop_pending()
+
+    def drop_pending(self) -> None:
+        self.pk = self.pv = self.mask = None
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = cache.attend(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = Eagle3MLP(cfg)
+
+    def forward(self, emb, hidden, cos, sin, cache) -> torch.Tensor:
+        # norm_before_residual = false: the residual is the un-normalised feature.
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], -1)
+        hidden = hidden + self.self_attn(x, cos, sin, cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.requires_grad_(False)  # the target's, frozen (never exported as trained)
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_ids(self) -> torch.Tensor:
+        """Target ids of the draft vocabulary, ascending (draft id i -> target id i + d2t[i])."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    @torch.no_grad()
+    def init_from_target(self, target, from_lm_head: bool = True) -> None:
+        """Copy the target's embedding (always) and, optionally, its final norm and the lm_head rows
+        of the draft vocabulary (a strong start when data is small)."""
+        self.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        if from_lm_head:
+            self.lm_head.weight.copy_(target.get_output_embeddings().weight[self.draft_ids()])
+            self.norm.weight.copy_(target.get_decoder().norm.weight)
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat([freqs, freqs], -1)[:, None]  # [B, 1, T, head_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def project(self, taps: torch.Tensor) -> torch.Tensor:
+        """[B, T, 3 * target_hidden] (low|mid|high) -> [B, T, hidden]."""
+        return self.fc(taps)
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                cache) -> torch.Tensor:
+        """One draft step: features [B, T, H] and the NEXT tokens [B, T] -> output features [B, T, H]."""
+        emb = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rope(position_ids, hidden.dtype)
+        return self.midlayer(emb, hidden, cos, sin, cache)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary."""
+        return self.lm_head(self.norm(hidden))
+
+    def trained_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything but the frozen embedding (reloaded from the target)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}

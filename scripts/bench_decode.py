@@ -1,0 +1,98 @@
+"""Decode benchmark: what speculation costs and gains on this machine.
+
+    .venv/bin/python scripts/bench_decode.py [--run-dir outputs/smollm2-135m/eagle3] [--prompts 4]
+        [--model tiny-llama] [--head medusa] [--max-new-tokens 64] [key=value ...]
+
+Prints (1) the target's verify time against the number of tree tokens, (2) per-step draft times of a
+head (the trained one under ``<run-dir>/train/head``, else a random-weight one) and of the n-gram
+drafter, (3) tau / tokens/s / speedup over plain decoding, greedy, on a few built-in validation prompts.
+Extra ``key=value`` arguments are Hydra overrides of conf/config.yaml (e.g. ``eval.tree.total_tokens=8``,
+``eval.num_threads=1`` on a machine shared with other jobs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from eval.bench import draft_times, random_head  # noqa: E402
+from eval.decoder import SpecDecoder  # noqa: E402
+from eval.drafters import build_drafter  # noqa: E402
+from eval.prompts import load_prompts  # noqa: E402
+from eval.report import aggregate  # noqa: E402
+from eval.stage import eos_token_ids, evaluate, resolve_methods, size_tree  # noqa: E402
+from heads.io import head_type, load_head  # noqa: E402
+from train.target import load_target, load_tokenizer  # noqa: E402
+
+
+def parse() -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-dir", help="a run directory with a trained head in train/head/")
+    parser.add_argument("--prompts", type=int, default=4, help="built-in validation prompts to decode")
+    parser.add_argument("--model", help="model preset (conf/model/*.yaml); default: the config's")
+    parser.add_argument("--head", help="head preset (eagle3 | medusa) of the random head without --run-dir")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    return parser.parse_known_args()
+
+
+def main() -> None:
+    args, overrides = parse()
+    presets = [f"model={args.model}"] * bool(args.model) + [f"head={args.head}"] * bool(args.head)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=[
+            "tracking=none", *presets, "eval.datasets=[builtin]", f"eval.limit={args.prompts}", "eval.warmup=1",
+            f"eval.max_new_tokens={args.max_new_tokens}", "eval.temperatures=[0.0]", *overrides])
+    if cfg.eval.num_threads:
+        torch.set_num_threads(cfg.eval.num_threads)
+    target, tokenizer = load_target(cfg), load_tokenizer(cfg)
+    if args.run_dir:
+        head = load_head(Path(args.run_dir) / "train" / "head", target).to(target.device, target.dtype)
+        source = f"trained head from {args.run_dir}"
+    else:
+        head = random_head(cfg.head.type, target, cfg.head)
+        source = "random-weight head"
+    kind = head_type(head)
+    decoder = SpecDecoder(target, eos_token_ids(target, tokenizer))
+    prompts = load_prompts(cfg)
+    print(f"target {cfg.model.name} on {target.device} ({target.dtype}); {kind} {source}; {len(prompts)} prompts")
+
+    tree = size_tree(cfg, decoder, head, prompts, tokenizer)
+    print(f"\nverify time vs tree tokens (context {cfg.eval.tree.context} tokens):")
+    print("  tokens " + "".join(f"{s:>8}" for s in tree["verify_ms"]))
+    print("  ms     " + "".join(f"{ms:>8.1f}" for ms in tree["verify_ms"].values()))
+    if "acceptance_curve" in tree:
+        print("  tau    " + "".join(f"{v:>8.2f}" for v in tree["acceptance_curve"].values()))
+        print("  pred.x " + "".join(f"{tree['predicted_speedup'].get(s, float('nan')):>8.2f}" for s in tree["verify_ms"]))
+    print(f"  total_tokens = {tree['total_tokens']} ({tree['total_tokens_source']})")
+
+    ecfg = OmegaConf.merge(cfg.eval, {"tree": {"total_tokens": tree["total_tokens"]}})
+    methods = resolve_methods("auto", kind)
+    drafters = {m: build_drafter(m, head, target.config.num_hidden_layers, ecfg) for m in methods}
+    context = [t for p in prompts for t in tokenizer(p.turns[0])["input_ids"]][: cfg.eval.tree.context]
+    print(f"\ndraft step times (ms, context {len(context)} tokens; update = 3 new rows):")
+    for method, drafter in drafters.items():
+        if method != "plain":
+            times = draft_times(decoder, drafter, context)
+            print(f"  {method:<20} update {times['update']:7.2f}   propose {times['propose']:7.2f}")
+
+    results = aggregate(evaluate(cfg, decoder, drafters, tokenizer, prompts, 0.0))
+    print(f"\ngreedy, {args.max_new_tokens} new tokens, {len(prompts)} prompts (plain interleaved):")
+    print(f"  {'method':<20}{'tau':>7}{'tok/s':>9}{'plain':>9}{'speedup':>9}{'draft%':>8}  identical")
+    for r in results:
+        if r["category"] == "all":
+            print(f"  {r['method']:<20}{r['tau']:>7.2f}{r['tokens_per_s']:>9.1f}{r['plain_tokens_per_s']:>9.1f}"
+                  f"{r['speedup']:>9.2f}{100 * r['draft_time_share']:>7.0f}%  {r['identical_to_plain']}")
+
+
+if __name__ == "__main__":
+    main()

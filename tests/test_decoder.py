@@ -1,0 +1,356 @@
+"""The speculative tree decoder is lossless at temperature 0: every drafter reproduces plain greedy
+decoding and ``transformers`` ``generate(do_sample=False)`` token for token (tiny random targets; the
+real default target under ``-m integration``). Also: tree structures, the drafters' own computations,
+EOS inside an accepted path, the max_new_tokens boundary, and tree sizing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from data.template import prompt_ids
+from eval import (
+    METHODS,
+    DraftTree,
+    Eagle3Drafter,
+    Generation,
+    HybridDrafter,
+    NGramDrafter,
+    Sampling,
+    SpecDecoder,
+    acceptance_curve,
+    build_drafter,
+    choose_total_tokens,
+    default_medusa_choices,
+    measure_verify_time,
+    static_tree,
+    warp,
+)
+from eval.bench import draft_times, random_head
+from eval.drafters import MedusaDrafter
+from eval.stage import eos_token_ids
+from heads.eagle3 import KVCache
+from train.target import load_target, load_tokenizer
+
+PROMPTS = [
+    "Write a haiku about autumn leaves.",
+    "What is 17 times 23? Explain step by step.",
+    "def fibonacci(n):\n    # complete this function",
+    "Summarise: the the cat sat on the mat and the cat sat on the mat again.",
+]
+MEDUSA_CFG = OmegaConf.create({"num_heads": 3, "num_layers": 1, "draft_vocab_size": 200})
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models are overhead-bound: one thread avoids contention on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def eval_cfg(**tree):
+    return OmegaConf.create({"chain_k": 3, "medusa_choices": "auto", "ngram": {"min": 2, "max": 4, "k": 4},
+                             "tree": {"top_k": 4, "depth": 4, "total_tokens": 10, **tree}})
+
+
+def hf_greedy(target, ids: list[int], new_tokens: int, eos: set[int]) -> list[int]:
+    out = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=new_tokens, do_sample=False, eos_token_id=sorted(eos),
+                          pad_token_id=sorted(eos)[0])
+    return out[0, len(ids):].tolist()
+
+
+class Setup:
+    """A target with a decoder, random heads and greedy references for PROMPTS."""
+
+    def __init__(self, cfg, kept: torch.Tensor):
+        self.target = load_target(cfg)
+        self.tokenizer = load_tokenizer(cfg)
+        self.decoder = SpecDecoder(self.target, eos_token_ids(self.target, self.tokenizer))
+        self.heads = {"eagle3": random_head("eagle3", self.target, cfg.head, kept),
+                      "medusa": random_head("medusa", self.target, MEDUSA_CFG, kept)}
+        self.prompts = [prompt_ids(self.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
+        with torch.inference_mode():
+            self.reference = [hf_greedy(self.target, p, NEW_TOKENS, self.decoder.eos) for p in self.prompts]
+
+    def drafter(self, method: str, **tree):
+        head = self.heads["medusa" if method.startswith("medusa") else "eagle3"]
+        return build_drafter(method, head, self.target.config.num_hidden_layers, eval_cfg(**tree))
+
+
+@pytest.fixture(scope="module", params=["tiny_llama_cfg", "tiny_qwen2_cfg"])
+def tiny(request) -> Setup:
+    cfg = request.getfixturevalue(request.param)
+    vocab = load_target(cfg).config.vocab_size
+    # Llama: a random sorted draft vocabulary (d2t offsets vary); Qwen2: the first 200 ids.
+    kept = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:200].sort().values
+    return Setup(cfg, kept if request.param == "tiny_llama_cfg" else torch.arange(200))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Structures
+
+
+def test_draft_tree_structure():
+    tree = DraftTree([5, 6, 7, 8], [0, 0, 1, 3])
+    assert tree.depths() == [0, 1, 1, 2, 3]
+    assert tree.children() == [[1, 2], [3], [], [4], []]
+    expected = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]])
+    assert torch.equal(tree.ancestor_mask().long(), expected)
+    merged = tree.merge(DraftTree.chain([5, 7, 9]))   # 5 -> 7 exist (nodes 1, 3); 9 is new under node 3
+    assert merged.tokens == [5, 6, 7, 8, 9] and merged.parents == [0, 0, 1, 3, 3]
+    merged = tree.merge(DraftTree.chain([6, 1]))
+    assert merged.tokens[-1:] == [1] and merged.parents[-1] == 2
+    with pytest.raises(ValueError):
+        tree.merge(DraftTree.chain([1], q=torch.ones(1, 10)))
+
+
+def test_static_tree_and_default_choices():
+    parents, heads, ranks = static_tree([(1,), (0, 0), (0,), (0, 1), (0, 0, 0)])
+    # sorted: (0,) (1,) (0,0) (0,1) (0,0,0)
+    assert parents == [0, 0, 1, 1, 3] and heads == [0, 0, 1, 1, 2] and ranks == [0, 1, 0, 1, 0]
+    with pytest.raises(ValueError, match="prefix"):
+        static_tree([(0,), (1, 0)])
+    for n in (1, 3, 5):
+        choices = default_medusa_choices(n)
+        assert 10 <= len(choices) <= 20 and max(map(len, choices)) <= n
+        static_tree(choices)   # every prefix present
+
+
+def test_ngram_lookup():
+    ngram = NGramDrafter(min_n=2, max_n=4, k=3)
+    # suffix [1, 2, 3] matches at 0 (-> 9, 9) and the 2-gram [2, 3] later (-> 7): the longer match wins
+    assert ngram.lookup([1, 2, 3, 9, 9, 5, 2, 3, 7, 0, 1, 2, 3]) == [9, 9, 5]
+    assert ngram.lookup([4, 1, 2, 8, 4, 1, 2, 6, 1, 2]) == [6, 1, 2]    # the latest occurrence
+    assert ngram.lookup([1, 2, 3, 4, 5]) == []
+    assert ngram.propose([1, 2, 3, 1, 2]).parents == [0, 1, 2]
+
+
+def test_warp_matches_transformers():
+    from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
+    for temperature, top_p in ((1.0, 1.0), (0.7, 0.9), (1.3, 0.5)):
+        scores = TopPLogitsWarper(top_p)(None, TemperatureLogitsWarper(temperature)(None, logits.clone()))
+        torch.testing.assert_close(warp(logits, temperature, top_p), torch.softmax(scores, -1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Greedy: token-identical to plain decoding and to transformers' generate
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_identical_to_plain_and_generate(tiny: Setup, method: str):
+    drafter = tiny.drafter(method)
+    for ids, reference in zip(tiny.prompts, tiny.reference, strict=True):
+        out = tiny.decoder.generate(ids, drafter, NEW_TOKENS)
+        assert out.tokens == reference, method
+        assert out.cycles == 1 + len(out.paths) and sum(out.accept_lengths) + out.cycles >= len(out.tokens)
+        if method == "plain":
+            assert out.tau == 1.0 and out.accept_lengths == [0] * (NEW_TOKENS - 1)
+
+
+def test_greedy_long_context(tiny: Setup):
+    ids = prompt_ids(tiny.tokenizer, [{"role": "user", "content": " ".join(PROMPTS) * 9}])
+    assert len(ids) > 1500
+    with torch.inference_mode():
+        reference = hf_greedy(tiny.target, ids, 24, tiny.decoder.eos)
+    for method in ("ngram", "eagle3+ngram-tree", "medusa-tree"):
+        assert tiny.decoder.generate(ids, tiny.drafter(method), 24).tokens == reference, method
+
+
+# ---------------------------------------------------------------------------------------------------
+# Long accepted paths: an oracle drafter that knows the greedy continuation
+
+
+class OracleDrafter(NGramDrafter):
+    """Proposes the true greedy continuation (``depth`` tokens) as the LAST child at every level, after
+    a junk child with a junk grandchild, so accepted KV rows are never a prefix of the tree."""
+
+    def __init__(self, reference: list[int], prompt_len: int, depth: int, vocab: int):
+        self.reference, self.prompt_len, self.depth, self.vocab = reference, prompt_len, depth, vocab
+
+    def propose(self, ids: list[int]) -> DraftTree:
+        tokens, parents, parent = [], [], 0
+        for true in self.reference[len(ids) - self.prompt_len:][: self.depth]:
+            junk = (true + 1) % self.vocab
+            tokens += [junk, (junk + 1) % self.vocab, true]
+            parents += [parent, len(tokens) - 2, parent]
+            parent = len(tokens)
+        return DraftTree(tokens, parents)
+
+
+def test_oracle_paths_and_max_new_tokens(tiny: Setup):
+    ids, depth = tiny.prompts[0], 4
+    oracle = OracleDrafter(tiny.reference[0], len(ids), depth, tiny.target.config.vocab_size)
+    for n in (1, 2, 5, 6, 7, 13, NEW_TOKENS - depth):
+        out = tiny.decoder.generate(ids, oracle, n)
+        assert out.tokens == tiny.reference[0][:n]
+        assert out.accept_lengths == [depth] * len(out.paths)          # every cycle takes the whole path
+        assert out.cycles == 1 + math.ceil((n - 1) / (depth + 1))      # ... truncated at the budget
+
+
+def test_eos_inside_accepted_path(tiny: Setup):
+    ids, reference, depth = tiny.prompts[1], tiny.reference[1], 4
+    # an "EOS" id that first occurs in the middle of a cycle (cycles commit tokens 1-5, 6-10, ...)
+    j = next(j for j in range(2, len(reference) - depth) if reference[j] not in reference[:j] and j % 5)
+    decoder = SpecDecoder(tiny.target, [reference[j]])
+    out = decoder.generate(ids, OracleDrafter(reference, len(ids), depth, tiny.target.config.vocab_size), NEW_TOKENS)
+    assert out.tokens == reference[: j + 1]
+    assert sum(out.accept_lengths) + len(out.paths) + 1 > len(out.tokens)   # the path went past EOS
+    with torch.inference_mode():
+        assert hf_greedy(tiny.target, ids, NEW_TOKENS, {reference[j]}) == out.tokens
+    assert decoder.generate(ids, tiny.drafter("eagle3+ngram-tree"), NEW_TOKENS).tokens == out.tokens
+
+
+# ---------------------------------------------------------------------------------------------------
+# The drafters compute what they claim
+
+
+class Recorder:
+    """Delegates to a drafter and remembers the committed sequence of its last update."""
+
+    def __init__(self, drafter):
+        self.drafter, self.hidden_layers = drafter, drafter.hidden_layers
+
+    def reset(self, sampling):
+        self.drafter.reset(sampling)
+
+    def update(self, ids, hidden):
+        self.ids = list(ids)
+        self.drafter.update(ids, hidden)
+
+    def propose(self, ids):
+        return self.drafter.propose(ids)
+
+
+def recompute_eagle3(setup: Setup, ids: list[int], path: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """From scratch: draft rows t = 0..n-2 (taps of target position t, token x[t+1], position t), then the
+    tokens (target ids) of ``path`` one by one; returns (last output feature, its logits)."""
+    head = setup.heads["eagle3"]
+    with torch.inference_mode():
+        hidden = setup.target(torch.tensor([ids[:-1]]), output_hidden_states=head.config.aux_layers).hidden_states
+        taps = torch.cat([hidden[i] for i in head.config.aux_layers], -1)
+        cache, rows = KVCache(), len(ids) - 1
+        feature = head(head.project(taps), torch.tensor([ids[1:]]), torch.arange(rows)[None], cache)[:, -1:]
+        cache.commit()
+        for depth, token in enumerate(path, 1):
+            feature = head(feature, torch.tensor([[token]]), torch.tensor([[rows - 1 + depth]]), cache)
+        return feature, head.logits(feature)[0, -1]
+
+
+def test_eagle3_draft_cache_matches_recompute(tiny: Setup):
+    """After cycles with long, non-prefix accepted paths, the draft KV and feature equal a from-scratch run."""
+    ids = tiny.prompts[2]
+    oracle = OracleDrafter(tiny.reference[2], len(ids), 3, tiny.target.config.vocab_size)
+    eagle = Eagle3Drafter(tiny.heads["eagle3"], "tree", top_k=2, depth=2, total_tokens=4)
+    spy = Recorder(HybridDrafter(eagle, oracle))
+    out = tiny.decoder.generate(ids, spy, 30)
+    assert out.tokens == tiny.reference[2][:30] and max(out.accept_lengths) == 3
+    assert len(eagle.cache) == len(spy.ids) - 1
+    feature, logits = recompute_eagle3(tiny, spy.ids)
+    torch.testing.assert_close(eagle.feature, feature, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(eagle.logits, logits.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_eagle3_tree_matches_recompute(tiny: Setup):
+    """Every expanded node's children are the top-k of the draft run along its own path (tree mask,
+    positions and fed-back features); nodes come in score order (parents first); depth is respected."""
+    k, depth = 3, 3
+    ids = tiny.prompts[0] + tiny.reference[0][:5]
+    drafter = Eagle3Drafter(tiny.heads["eagle3"], "tree", top_k=k, depth=depth, total_tokens=1 + k + 2 * k * k)
+    layers = drafter.hidden_layers
+    with torch.inference_mode():
+        _, _, hidden = tiny.decoder.prefill(ids[:-1], layers)
+        drafter.reset(Sampling())
+        drafter.update(ids, {layer: hidden[layer] for layer in layers})
+        tree = drafter.propose(ids)
+    assert len(tree) == k + 2 * k * k and max(tree.depths()) == depth
+    assert all(p < i for i, p in enumerate(tree.parents, 1))
+    vocab = tiny.heads["eagle3"].draft_ids()
+    depths, kids = tree.depths(), tree.children()
+    for node, children in enumerate(kids):
+        if not children:
+            continue
+        path, v = [], node
+        while v:
+            path.insert(0, tree.tokens[v - 1])
+            v = tree.parents[v - 1]
+        assert len(path) == depths[node]
+        _, logits = recompute_eagle3(tiny, ids, path)
+        assert [tree.tokens[c - 1] for c in children] == vocab[logits.topk(k).indices].tolist()
+
+
+def test_medusa_drafter(tiny: Setup):
+    head = tiny.heads["medusa"]
+    n = tiny.target.config.num_hidden_layers
+    ids = tiny.prompts[3]
+    with torch.inference_mode():
+        final = tiny.target(torch.tensor([ids[:-1]]), output_hidden_states=[n]).hidden_states[n]
+        top = head(final[:, -1])[:, 0]                                       # [heads, draft vocab]
+        chain = build_drafter("medusa-chain", head, n, eval_cfg())
+        chain.update(ids, {n: final})
+        tree = chain.propose(ids)
+    assert tree.parents == [0, 1, 2] and tree.tokens == head.draft_ids()[top.argmax(-1)].tolist()
+    drafter = MedusaDrafter(head, n, default_medusa_choices(3))
+    drafter.update(ids, {n: final})
+    with torch.inference_mode():
+        tree = drafter.propose(ids)
+    ranks = top.argsort(-1, descending=True)
+    parents, heads, node_ranks = static_tree(default_medusa_choices(3))
+    assert tree.parents == parents
+    assert tree.tokens == [int(head.draft_ids()[ranks[h, r]]) for h, r in zip(heads, node_ranks, strict=True)]
+    for children in tree.children():
+        assert len({tree.tokens[c - 1] for c in children}) == len(children)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tree sizing
+
+
+def test_acceptance_curve_and_choice():
+    gens = [Generation([0] * 6, cycles=3, paths=[[2, 5, 9], [1]]), Generation([0] * 2, cycles=2, paths=[[]])]
+    curve = acceptance_curve(gens, (1, 2, 3, 6, 10))
+    # tree of T tokens keeps nodes 1..T-1: path [2, 5, 9] keeps 0, 1, 1, 2, 3 of them; [1] keeps 0, 1, 1, 1, 1
+    assert curve == {1: 1.0, 2: 1 + 1 / 3, 3: 1 + 2 / 3, 6: 1 + 3 / 3, 10: 1 + 4 / 3}
+    verify = {1: 10.0, 2: 11.0, 3: 12.0, 6: 13.0, 10: 30.0}
+    best, predicted = choose_total_tokens(verify, curve, draft_ms=2.0)
+    assert set(predicted) == {2, 3, 6, 10}    # the root alone (plain decoding) is no tree
+    # speedup(T) = tau(T) * verify(1) / (verify(T) + draft): 1.03, 1.19, 1.33, 0.73
+    assert predicted[6] == pytest.approx(2.0 * 10 / 15) and best == 6
+
+
+def test_measure_verify_time_and_draft_times(tiny: Setup):
+    context = tiny.prompts[0] + tiny.reference[0]
+    timings = measure_verify_time(tiny.decoder, context, (1, 4, 16), repeats=1,
+                                  hidden_layers=tiny.heads["eagle3"].config.aux_layers)
+    assert list(timings) == [1, 4, 16] and all(ms > 0 for ms in timings.values())
+    times = draft_times(tiny.decoder, tiny.drafter("eagle3-tree"), context, repeats=1)
+    assert set(times) == {"update", "propose"} and all(ms > 0 for ms in times.values())
+
+
+# ---------------------------------------------------------------------------------------------------
+# The real default target (SmolLM2-135M-Instruct)
+
+
+@pytest.mark.integration
+def test_default_target_greedy_lossless(default_cfg):
+    target, tokenizer = load_target(default_cfg), load_tokenizer(default_cfg)
+    decoder = SpecDecoder(target, eos_token_ids(target, tokenizer))
+    head = random_head("eagle3", target, default_cfg.head)
+    drafters = {m: build_drafter(m, head, target.config.num_hidden_layers, eval_cfg(total_tokens=8))
+                for m in ("ngram", "eagle3-tree", "eagle3+ngram-tree")}
+    for prompt in ("List three uses of a paperclip.",
+                   "Repeat after me exactly: the quick brown fox jumps over the lazy dog. the quick brown fox"):
+        ids = prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
+        with torch.inference_mode():
+            reference = hf_greedy(target, ids, 40, decoder.eos)
+        assert decoder.generate(ids, build_drafter("plain", None, 0, eval_cfg()), 40).tokens == reference
+        for method, drafter in drafters.items():
+            assert decoder.generate(ids, drafter, 40).tokens == reference, method

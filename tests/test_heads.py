@@ -1,0 +1,159 @@
+"""Heads: checkpoint names and shapes, the TTT attention pattern against step-by-step decoding,
+save/load, and learning on a tiny overfit set."""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import OmegaConf
+
+from heads import Eagle3Config, Eagle3Head, MedusaConfig, MedusaHead, load_head, save_head
+from heads.eagle3 import KVCache, TTTCache
+from train.extract import capture
+from train.losses import eagle3_loss, medusa_loss, shift, soft_ce, target_view, weights
+from train.target import load_target
+
+HEAD_CFG = OmegaConf.create({"aux_layers": None, "hidden_size": None, "intermediate_size": None,
+                             "num_attention_heads": None, "num_key_value_heads": None, "head_dim": None,
+                             "rope_theta": None, "rms_norm_eps": None, "num_heads": 3, "num_layers": 2})
+
+
+def tiny_eagle3(target, dv: int = 48, seed: int = 0) -> Eagle3Head:
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config.from_target(target.config, HEAD_CFG, dv))
+    kept = torch.randperm(target.config.vocab_size)[:dv].sort().values
+    t2d = torch.zeros(target.config.vocab_size, dtype=torch.bool)
+    t2d[kept] = True
+    head.set_vocab(kept - torch.arange(dv), t2d)
+    head.init_from_target(target)
+    return head
+
+
+def test_eagle3_checkpoint_names_and_shapes(tiny_llama_cfg):
+    target = load_target(tiny_llama_cfg)
+    head = tiny_eagle3(target)
+    c, H = head.config, target.config.hidden_size
+    assert c.aux_layers == [2, 2, 1]  # [2, N//2, N-3] for N = 4 layers
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    expected = {
+        "fc.weight": (H, 3 * H),
+        "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * H), "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * H), "midlayer.self_attn.o_proj.weight": (H, q),
+        "midlayer.mlp.gate_proj.weight": (c.intermediate_size, H), "midlayer.mlp.up_proj.weight": (c.intermediate_size, H),
+        "midlayer.mlp.down_proj.weight": (H, c.intermediate_size),
+        "norm.weight": (H,), "lm_head.weight": (48, H), "d2t": (48,), "t2d": (target.config.vocab_size,),
+    }
+    state = head.trained_state_dict()
+    assert {k: tuple(v.shape) for k, v in state.items()} == expected
+    assert state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool
+    assert not head.embed_tokens.weight.requires_grad
+    assert torch.equal(head.embed_tokens.weight, target.get_input_embeddings().weight)
+    assert torch.equal(head.lm_head.weight, target.get_output_embeddings().weight[head.draft_ids()])
+
+
+def test_medusa_checkpoint_names_and_init(tiny_qwen2_cfg):
+    target = load_target(tiny_qwen2_cfg)
+    H, V = target.config.hidden_size, target.config.vocab_size
+    head = MedusaHead(MedusaConfig.from_target(target.config, HEAD_CFG, 32))
+    state = head.trained_state_dict()
+    names = {f"blocks.{h}.layers.{l}.{p}" for h in range(3) for l in range(2) for p in ("weight", "bias")}
+    names |= {f"lm_heads.{h}.weight" for h in range(3)} | {"d2t", "t2d"}
+    assert set(state) == names
+    assert state["blocks.0.layers.1.weight"].shape == (H, H) and state["lm_heads.2.weight"].shape == (32, H)
+    assert all(torch.count_nonzero(state[f"blocks.{h}.layers.{l}.weight"]) == 0 for h in range(3) for l in range(2))
+    assert head(torch.randn(2, 5, H)).shape == (3, 2, 5, 32)
+    assert state["t2d"].shape == (V,)
+
+
+def test_ttt_attention_equals_step_by_step_decoding(tiny_llama_cfg):
+    """Row t of TTT step k must equal decoding: context rows 0..t, then k chained draft rows."""
+    target = load_target(tiny_llama_cfg)
+    head = tiny_eagle3(target).double()
+    torch.manual_seed(1)
+    T, steps = 9, 4
+    ids = torch.randint(0, target.config.vocab_size, (1, T + steps + 1))
+    taps = torch.randn(1, T, 3 * target.config.hidden_size, dtype=torch.float64)
+    pos = torch.arange(T)[None]
+    cache = TTTCache()
+    hidden, ttt = head.project(taps), []
+    for k in range(steps):
+        hidden = head(hidden, ids[:, 1 + k: 1 + k + T], pos + k, cache)
+        ttt.append(hidden)
+    for t in range(T):
+        kv = KVCache()
+        ctx = head(head.project(taps[:, : t + 1]), ids[:, 1: t + 2], pos[:, : t + 1], kv)
+        kv.commit()
+        feature = ctx[:, -1:]
+        assert torch.allclose(feature, ttt[0][:, t: t + 1], atol=1e-10)
+        for k in range(1, steps):
+            feature = head(feature, ids[:, t + 1 + k: t + 2 + k], torch.tensor([[t + k]]), kv)
+            assert torch.allclose(feature, ttt[k][:, t: t + 1], atol=1e-10), (t, k)
+
+
+def test_save_load_round_trip(tiny_qwen2_cfg, tmp_path):
+    target = load_target(tiny_qwen2_cfg)
+    head = tiny_eagle3(target)
+    with torch.no_grad():
+        head.fc.weight.normal_()
+    save_head(head, tmp_path / "h")
+    again = load_head(tmp_path / "h", target)
+    x = torch.randn(1, 4, 3 * target.config.hidden_size)
+    ids = torch.randint(0, target.config.vocab_size, (1, 4))
+    pos = torch.arange(4)[None]
+    assert torch.equal(head.logits(head(head.project(x), ids, pos, KVCache())),
+                       again.logits(again(again.project(x), ids, pos, KVCache())))
+
+
+def overfit(head, loss_fn, steps: int) -> tuple[list[float], list[float]]:
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    losses, accs = [], []
+    for _ in range(steps):
+        stats = loss_fn()
+        opt.zero_grad()
+        stats.loss.backward()
+        opt.step()
+        losses.append(stats.loss.item())
+        w = stats.weight[0] > 0
+        accs.append(((stats.correct[0] & w).sum() / w.sum()).item())
+    return losses, accs
+
+
+def tiny_batch(target, layers):
+    torch.manual_seed(0)
+    ids = target.generate(torch.randint(0, 256, (4, 3)), max_new_tokens=37, do_sample=True, top_k=8)
+    with torch.no_grad():
+        states = capture(target, ids, layers)
+    lengths = torch.full((4,), ids.shape[1])
+    return ids, states, lengths, torch.ones_like(ids)
+
+
+def test_eagle3_overfits_tiny_set(tiny_llama_cfg):
+    target = load_target(tiny_llama_cfg)
+    head = tiny_eagle3(target, dv=target.config.vocab_size)
+    ids, states, lengths, mask = tiny_batch(target, [*head.config.aux_layers, target.config.num_hidden_layers])
+    view = target_view(states[:, :, -1], target.get_output_embeddings().weight, head.draft_ids())
+    losses, accs = overfit(head, lambda: eagle3_loss(head, states[:, :, :-1].flatten(2), ids, lengths, mask, view,
+                                                     3, 0.8, "all"), 150)
+    assert losses[-1] < 0.5 * losses[0]
+    assert accs[-1] > accs[0] + 0.3
+
+
+def test_medusa_overfits_tiny_set(tiny_llama_cfg):
+    target = load_target(tiny_llama_cfg)
+    V = target.config.vocab_size
+    head = MedusaHead(MedusaConfig.from_target(target.config, HEAD_CFG, V))
+    head.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
+    head.init_from_target(target)
+    ids, states, lengths, mask = tiny_batch(target, [target.config.num_hidden_layers])
+    view = target_view(states[:, :, -1], target.get_output_embeddings().weight, head.draft_ids())
+    # The soft cross-entropy cannot go below the target's own entropy: compare the excess (the KL).
+    entropy = sum(0.8**k * soft_ce(shift(view.log_p, 1 + k), shift(view.log_p, 1 + k),
+                                   weights(view, lengths, mask, k, "all")).item() for k in range(3))
+    losses, accs = overfit(head, lambda: medusa_loss(head, states[:, :, -1], ids, lengths, mask, view,
+                                                     0.8, "all", "kl"), 100)
+    assert losses[-1] - entropy < 0.5 * (losses[0] - entropy)
+    assert accs[-1] > accs[0] + 0.2
+    losses, accs = overfit(head, lambda: medusa_loss(head, states[:, :, -1], ids, lengths, mask, view,
+                                                     0.8, "all", "ce"), 100)
+    assert losses[-1] < 0.7 * losses[0]

@@ -1,0 +1,183 @@
+"""Extract and train stages on a tiny target: captures, crash safety, resume, ranks, tracking."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT, make_cfg
+from train.extract import Captures, ExtractError
+from train.stages import run_stages, stage_dir
+from train.target import load_target
+
+BASE = ["model=tiny-llama", "head.draft_vocab_size=64", "data.sources=[{type:builtin,limit:24}]",
+        "data.regen.max_new_tokens=24", "extract.dtype=float32", "head.ttt_steps=3", "train.micro_batch_tokens=1024",
+        "train.log_every=1", "train.eval_every=1000", "train.checkpoint_every=3", "train.max_steps=6",
+        "train.warmup_steps=2", "train.num_threads=1"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A run directory with the data and extract stages done (shared, copied per test)."""
+    root = tmp_path_factory.mktemp("prepared")
+    cfg = make_cfg([*BASE, f"output_root={root}", "stages=[data,extract]"])
+    run_stages(cfg)
+    return Path(cfg.run_dir)
+
+
+def fresh_run(prepared: Path, tmp_path: Path, *overrides: str, stages: tuple[str, ...] = ("data", "extract")):
+    cfg = make_cfg([*BASE, f"output_root={tmp_path}", *overrides])
+    for stage in stages:
+        shutil.copytree(prepared / stage, Path(cfg.run_dir) / stage)
+    return cfg
+
+
+def cli(cfg_overrides: list[str], tmp_path: Path, launcher: list[str] | None = None) -> subprocess.Popen:
+    cmd = [*(launcher or [sys.executable]), str(ROOT / "train/run.py"), "tracking=none", *BASE,
+           f"output_root={tmp_path}", *cfg_overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_captures_equal_hf_hidden_states(prepared):
+    cfg = make_cfg([*BASE, f"output_root={prepared.parents[1]}"])
+    captures = Captures(stage_dir(cfg, "extract"))
+    target = load_target(cfg)
+    assert captures.layers == [2, 2, 1, 4]
+    import datasets
+
+    ds = datasets.load_from_disk(str(stage_dir(cfg, "data") / "dataset"))
+    for split, rows in (("train", [0, 5]), ("validation", [0])):
+        for r in rows:
+            ids = torch.tensor(ds[split][r]["input_ids"])[None]
+            reference = target(ids, output_hidden_states=True).hidden_states
+            got = captures.get(split, r)
+            for j, layer in enumerate(captures.layers):
+                torch.testing.assert_close(got[:, j], reference[layer][0], rtol=1e-5, atol=1e-5)
+
+
+def test_extract_survives_kill_9(prepared, tmp_path):
+    """SIGKILL in the middle of extraction, rerun: complete and identical to an uninterrupted run."""
+    cfg = fresh_run(prepared, tmp_path, "extract.shard_mb=0.02", stages=("data",))
+    out = stage_dir(cfg, "extract")
+    proc = cli(["stages=[extract]", "extract.shard_mb=0.02"], tmp_path)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(list(out.glob("*.safetensors"))) < 2:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    written = len(list(out.glob("*.safetensors")))
+    assert written >= 2 and not (out / "manifest.json").exists()
+    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", "stages=[extract]", "extract.shard_mb=0.02"]))
+    resumed = Captures(out)
+    reference = Captures(stage_dir(make_cfg([*BASE, f"output_root={prepared.parents[1]}"]), "extract"))
+    assert len(resumed.manifest["shards"]) > written
+    for split in ("train", "validation"):
+        assert resumed.index[split].keys() == reference.index[split].keys()
+        for r in resumed.index[split]:
+            torch.testing.assert_close(resumed.get(split, r), reference.get(split, r), rtol=1e-5, atol=1e-5)
+    assert not list(out.glob(".*tmp*"))
+
+
+def test_extract_refuses_data_of_another_target(prepared, tmp_path):
+    cfg = fresh_run(prepared, tmp_path, stages=("data",))
+    other = make_cfg([*BASE, "model=tiny-qwen2", f"output_root={tmp_path}", f"run_dir={cfg.run_dir}", "stages=[extract]"])
+    with pytest.raises(ExtractError, match="made with another target/tokenizer"):
+        run_stages(other)
+
+
+def test_extract_refuses_when_disk_is_short(prepared, tmp_path, monkeypatch):
+    cfg = fresh_run(prepared, tmp_path, "stages=[extract]", stages=("data",))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(ExtractError, match=r"not enough free disk.*needs about .* GiB.*only 0\.00 GiB"):
+        run_stages(cfg)
+    assert not list(stage_dir(cfg, "extract").glob("*.safetensors"))
+
+
+def metrics(cfg) -> list[dict]:
+    lines = (stage_dir(cfg, "train") / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if "train/loss" in line]
+
+
+def test_resume_continues_with_the_same_losses(prepared, tmp_path):
+    straight = fresh_run(prepared, tmp_path / "a", "stages=[train]")
+    run_stages(straight)
+    reference = metrics(straight)
+    assert [m["step"] for m in reference] == list(range(1, 7))
+
+    crashed = fresh_run(prepared, tmp_path / "b", "stages=[train]")
+    ckpt = stage_dir(crashed, "train") / "checkpoints"
+    proc = cli(["stages=[train]"], tmp_path / "b")
+    deadline = time.time() + 600
+    while time.time() < deadline and not (ckpt / "latest").exists():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (ckpt / "latest").read_text().strip() == "step0000003"
+    run_stages(crashed)
+    resumed = metrics(crashed)
+    assert [m["step"] for m in resumed] == list(range(1, 7))
+    for a, b in zip(reference, resumed, strict=True):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5), a["step"]
+    torch.testing.assert_close(load_file(str(stage_dir(straight, "train") / "head/model.safetensors")),
+                               load_file(str(stage_dir(crashed, "train") / "head/model.safetensors")))
+
+
+def test_wandb_offline_run_has_the_logged_keys(prepared, tmp_path):
+    cfg = fresh_run(prepared, tmp_path, "stages=[train]", "tracking=wandb", "train.max_steps=2")
+    run_stages(cfg)
+    from train.tracking import finish
+
+    finish()
+    runs = list((Path(cfg.run_dir) / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    deadline = time.time() + 60  # the W&B service may still be writing the run file
+    while time.time() < deadline:
+        blob = b"".join(p.read_bytes() for p in runs[0].glob("*.wandb"))
+        if b"val/sim_tau" in blob:
+            break
+        time.sleep(0.5)
+    for key in (b"train/loss", b"train/acc_0", b"train/sim_tau", b"val/sim_tau", b"tokens_per_s", b"lr"):
+        assert key in blob, key
+
+
+@pytest.mark.slow
+def test_two_ranks_train_like_one(prepared, tmp_path):
+    """deepspeed --num_gpus 2 (two CPU ranks), accumulation 1 == one rank with accumulation 2."""
+    one = fresh_run(prepared, tmp_path / "one", "stages=[train]", "train.grad_accum=2", "train.max_steps=4")
+    run_stages(one)
+    two = fresh_run(prepared, tmp_path / "two", "stages=[train]", "train.max_steps=4")
+    deepspeed = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", "29671"]
+    proc = cli(["stages=[train]", "train.max_steps=4", "train.grad_accum=1"], tmp_path / "two", deepspeed)
+    output, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, output[-3000:]
+    assert "world 2 x accumulation 1" in output
+    torch.testing.assert_close(load_file(str(stage_dir(one, "train") / "head/model.safetensors")),
+                               load_file(str(stage_dir(two, "train") / "head/model.safetensors")),
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_ranks_extract_like_one(prepared, tmp_path):
+    cfg = fresh_run(prepared, tmp_path, stages=("data",))
+    deepspeed = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", "29672"]
+    proc = cli(["stages=[extract]", "extract.shard_mb=0.05"], tmp_path, deepspeed)
+    output, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, output[-3000:]
+    two = Captures(stage_dir(cfg, "extract"))
+    assert two.manifest["world_size"] == 2 and len(two.manifest["shards"]) > 2
+    one = Captures(stage_dir(make_cfg([*BASE, f"output_root={prepared.parents[1]}"]), "extract"))
+    for split in ("train", "validation"):
+        assert two.index[split].keys() == one.index[split].keys()
+        for r in one.index[split]:
+            torch.testing.assert_close(two.get(split, r), one.get(split, r), rtol=1e-5, atol=1e-5)

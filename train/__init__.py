@@ -1,0 +1,1 @@
+"""Pipeline stages (extract, train, export, publish), the entry point and shared plumbing."""

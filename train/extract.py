@@ -1,0 +1,241 @@
+"""Extract stage: the frozen target's hidden states at the layers the head declares.
+
+Layer ids follow ONE convention everywhere in this project: the index into Hugging Face's
+``hidden_states`` (index i = the residual stream entering decoder layer i; index N = the final hidden
+state after the final norm). EAGLE-3 captures its three taps plus N; Medusa captures N. Target
+logits are not stored: training recomputes them from the stored final hidden state with the
+target's frozen lm_head.
+
+Output ``<run_dir>/extract/``:
+- ``{split}-{i:05d}.safetensors``: ``hidden`` [tokens, n_layers, H] (extract.dtype), ``row_index`` [rows]
+  (row of the data split), ``offsets`` [rows + 1] (row r is hidden[offsets[r]:offsets[r+1]]);
+  written under a temporary name and renamed, so a file that exists is complete.
+- ``manifest.json`` (rank 0, after all ranks finished): layers, dtype, hidden size, shards, token
+  counts, bytes, fingerprints of the target, the tokenizer and the data.
+
+Rows are sorted by length and cut into shards of about ``extract.shard_mb``; shard i belongs to
+rank i % world_size; inside a shard, batches of at most ``extract.batch_tokens`` padded tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from omegaconf import DictConfig
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from data.stage import load_dataset, row_lengths
+from heads.io import head_config
+from train import dist
+from train.log import log, progress
+from train.stages import require, stage_dir
+from train.target import (
+    load_config,
+    load_target,
+    load_tokenizer,
+    resolve_device,
+    target_fingerprint,
+    tokenizer_fingerprint,
+)
+
+SPLITS = ("train", "validation")
+
+
+class ExtractError(RuntimeError):
+    pass
+
+
+def capture_layers(cfg: DictConfig, target_config) -> list[int]:
+    """HF hidden_states indices the head needs (see the module docstring)."""
+    n = getattr(target_config, "text_config", target_config).num_hidden_layers
+    hcfg = head_config(cfg.head.type, target_config, cfg.head, cfg.head.draft_vocab_size)
+    return [*hcfg.aux_layers, n] if cfg.head.type == "eagle3" else [n]
+
+
+def capture(model, input_ids: torch.Tensor, layers: list[int], attention_mask=None, **kwargs) -> torch.Tensor:
+    """[B, T, len(layers), H]: the selected hidden states of one forward pass (no lm_head)."""
+    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                               output_hidden_states=list(layers), **kwargs)
+    return torch.stack([out.hidden_states[i] for i in layers], 2)
+
+
+def check_data(cfg: DictConfig, tokenizer) -> dict:
+    """The data stage's manifest, refusing data made with another target or tokenizer."""
+    manifest = json.loads((stage_dir(cfg, "data") / "manifest.json").read_text())
+    for key, current in (("tokenizer_fingerprint", tokenizer_fingerprint(tokenizer)),
+                         ("target_fingerprint", target_fingerprint(cfg))):
+        if manifest[key] != current:
+            raise ExtractError(
+                f"the data in {stage_dir(cfg, 'data')} was made with another target/tokenizer ({key} "
+                f"{manifest[key]} != {current} of model={cfg.model.name}). Rerun the data stage for this "
+                "target: add force=[data] (or use another run_dir)."
+            )
+    return manifest
+
+
+def plan_shards(lengths: dict[str, list[int]], bytes_per_token: int, shard_mb: float) -> list[dict]:
+    """Deterministic shard plan: rows sorted by length, cut every ~shard_mb."""
+    budget = max(1, int(shard_mb * 2**20 / bytes_per_token))
+    shards = []
+    for split in SPLITS:
+        order = sorted(range(len(lengths[split])), key=lambda r: (lengths[split][r], r))
+        rows, tokens = [], 0
+        for r in order:
+            rows.append(r)
+            tokens += lengths[split][r]
+            if tokens >= budget:
+                shards.append({"split": split, "rows": rows, "tokens": tokens})
+                rows, tokens = [], 0
+        if rows:
+            shards.append({"split": split, "rows": rows, "tokens": tokens})
+    for i, s in enumerate(shards):
+        s["file"] = f"{s['split']}-{i:05d}.safetensors"
+    return shards
+
+
+def batches(rows: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Consecutive rows of similar length, padded size (rows x longest) <= batch_tokens."""
+    out, cur = [], []
+    for r in rows:
+        if cur and (len(cur) + 1) * max(lengths[r], max(lengths[c] for c in cur)) > batch_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(r)
+    return out + ([cur] if cur else [])
+
+
+def check_disk(path: Path, needed: int, margin: float) -> None:
+    free = shutil.disk_usage(path).free
+    log(f"[extract] needs about {needed / 2**30:.2f} GiB on disk; {free / 2**30:.2f} GiB free at {path}")
+    if free < needed * margin:
+        raise ExtractError(
+            f"not enough free disk at {path}: the extraction needs about {needed / 2**30:.2f} GiB "
+            f"(x{margin} margin) but only {free / 2**30:.2f} GiB are free. Free space, point run_dir elsewhere, "
+            "or use extract.dtype=float16/bfloat16 or train.online=true (no disk)."
+        )
+
+
+def _load_model(cfg: DictConfig, device: torch.device):
+    if cfg.extract.zero_stage == 3:
+        # ZeRO-3: parameters partitioned across ranks at load time, gathered layer by layer.
+        import deepspeed
+        from transformers.integrations import HfDeepSpeedConfig
+
+        dtype = getattr(torch, cfg.extract.dtype) if device.type == "cuda" else torch.float32
+        ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                     "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16}}
+        keep = HfDeepSpeedConfig(ds_config)  # noqa: F841  (must live while from_pretrained runs)
+        model = load_target(cfg, device, dtype)
+        return deepspeed.initialize(model=model, config=ds_config)[0].module
+    return load_target(cfg, device)
+
+
+@torch.inference_mode()
+def run(cfg: DictConfig) -> dict:
+    require(cfg, "data")
+    out = stage_dir(cfg, "extract")
+    device = resolve_device(cfg.device)
+    tokenizer = load_tokenizer(cfg)
+    data_manifest = check_data(cfg, tokenizer)
+    tcfg = load_config(cfg)
+    layers = capture_layers(cfg, tcfg)
+    hidden = getattr(tcfg, "text_config", tcfg).hidden_size
+    dtype = getattr(torch, cfg.extract.dtype)
+    bytes_per_token = len(layers) * hidden * dtype.itemsize
+    ds = load_dataset(cfg)
+    lengths = {s: row_lengths(ds[s]) for s in SPLITS}
+    shards = plan_shards(lengths, bytes_per_token, cfg.extract.shard_mb)
+    todo = [s for s in shards if not (out / s["file"]).exists()]
+    check_disk(out, sum(s["tokens"] for s in todo) * bytes_per_token, cfg.extract.disk_margin)
+
+    world, rank = dist.world_size(), dist.rank()
+    mine = [s for i, s in enumerate(shards) if i % world == rank and s in todo]
+    model = _load_model(cfg, device)
+    # ZeRO-3 gathers parameters collectively: every rank must run the same number of forward passes.
+    plans = [[b for s in shards[r::world] if s in todo for b in batches(s["rows"], lengths[s["split"]],
+                                                                      cfg.extract.batch_tokens)]
+             for r in range(world)]
+    n_passes = max(len(p) for p in plans) if cfg.extract.zero_stage == 3 else len(plans[rank])
+    bar = progress(total=sum(s["tokens"] for s in mine), desc="extract", unit="tok", unit_scale=True)
+    start, done_passes, forward_s = time.time(), 0, 0.0
+    for shard in mine:
+        split = shard["split"]
+        pieces = {}
+        for batch in batches(shard["rows"], lengths[split], cfg.extract.batch_tokens):
+            width = max(lengths[split][r] for r in batch)
+            ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for j, r in enumerate(batch):
+                row = torch.as_tensor(ds[split][r]["input_ids"])
+                ids[j, : len(row)] = row
+                mask[j, : len(row)] = 1
+            t0 = time.time()
+            states = capture(model, ids.to(device), layers, mask.to(device)).to("cpu", dtype)
+            forward_s += time.time() - t0
+            done_passes += 1
+            for j, r in enumerate(batch):
+                pieces[r] = states[j, : lengths[split][r]]
+            bar.update(sum(lengths[split][r] for r in batch))
+        rows = shard["rows"]
+        offsets = torch.tensor([0] + [lengths[split][r] for r in rows]).cumsum(0)
+        tmp = out / f".{shard['file']}.tmp{os.getpid()}"
+        save_file({"hidden": torch.cat([pieces[r] for r in rows]).contiguous(),
+                   "row_index": torch.tensor(rows, dtype=torch.long), "offsets": offsets},
+                  str(tmp), metadata={"layers": json.dumps(layers), "split": split})
+        os.replace(tmp, out / shard["file"])
+    dummy = torch.full((1, 1), tokenizer.pad_token_id, dtype=torch.long, device=device)
+    for _ in range(n_passes - done_passes):  # keep ZeRO-3 ranks in step
+        capture(model, dummy, layers)
+    bar.close()
+    elapsed = time.time() - start
+    peak_rss = max(dist.all_gather_objects(psutil.Process().memory_info().rss))
+    dist.barrier()
+
+    total_bytes = sum((out / s["file"]).stat().st_size for s in shards)
+    tokens = sum(s["tokens"] for s in shards)
+    manifest = {
+        "layers": layers, "dtype": cfg.extract.dtype, "hidden_size": hidden,
+        "target_fingerprint": data_manifest["target_fingerprint"],
+        "tokenizer_fingerprint": data_manifest["tokenizer_fingerprint"],
+        "data_tokens": data_manifest["tokens"],
+        "shards": [{"file": s["file"], "split": s["split"], "rows": len(s["rows"]), "tokens": s["tokens"]} for s in shards],
+        "rows": {s: len(lengths[s]) for s in SPLITS}, "tokens": tokens, "bytes": total_bytes,
+        "bytes_per_token": round(total_bytes / max(tokens, 1), 1), "world_size": world,
+    }
+    if dist.is_main():
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    rate = sum(s["tokens"] for s in mine) / max(elapsed, 1e-9)
+    log(f"[extract] {tokens} tokens, {total_bytes / 2**20:.1f} MiB, {manifest['bytes_per_token']} bytes/token; "
+        f"rank 0: {rate:.0f} tok/s ({forward_s / max(elapsed, 1e-9):.0%} of the time in forward), "
+        f"peak RSS {peak_rss / 2**30:.2f} GiB")
+    return {"tokens": tokens, "bytes": total_bytes, "bytes_per_token": manifest["bytes_per_token"],
+            "tokens_per_s_rank0": round(rate, 1), "peak_rss_gib": round(peak_rss / 2**30, 2)}
+
+
+class Captures:
+    """Read access to the extract stage's shards: per split, row -> [length, n_layers, H] tensor."""
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        self.manifest = json.loads((self.dir / "manifest.json").read_text())
+        self.layers = self.manifest["layers"]
+        self.index: dict[str, dict[int, tuple[str, int, int]]] = {s: {} for s in SPLITS}
+        for shard in self.manifest["shards"]:
+            with safe_open(str(self.dir / shard["file"]), framework="pt") as f:
+                rows, offsets = f.get_tensor("row_index").tolist(), f.get_tensor("offsets").tolist()
+            for j, r in enumerate(rows):
+                self.index[shard["split"]][r] = (shard["file"], offsets[j], offsets[j + 1])
+        self._open: dict[str, object] = {}
+
+    def get(self, split: str, row: int) -> torch.Tensor:
+        file, a, b = self.index[split][row]
+        if file not in self._open:
+            self._open[file] = safe_open(str(self.dir / file), framework="pt")
+        return self._open[file].get_slice("hidden")[a:b]

