@@ -17,10 +17,10 @@ from eval.drafters import (
 )
 from eval.sampling import Sampling, accept, warp
 from eval.tree import DraftTree, default_medusa_choices, static_tree
-from eval.treesize import acceptance_curve, choose_total_tokens, measure_verify_time
+from eval.treesize import acceptance_curve, choose_total_tokens, draft_times, measure_verify_time
 
 __all__ = [
     "METHODS", "DraftTree", "Drafter", "Eagle3Drafter", "Generation", "HybridDrafter", "MedusaDrafter",
     "NGramDrafter", "PlainDrafter", "Sampling", "SpecDecoder", "accept", "acceptance_curve", "build_drafter",
-    "choose_total_tokens", "default_medusa_choices", "measure_verify_time", "static_tree", "warp",
+    "choose_total_tokens", "default_medusa_choices", "draft_times", "measure_verify_time", "static_tree", "warp",
 ]

@@ -208,6 +208,16 @@ class HybridDrafter:
         return self.head_drafter.propose(ids).merge(self.ngram.propose(ids))
 
 
+def medusa_choices(ecfg, num_heads: int, chain: bool = False) -> list[tuple[int, ...]]:
+    """The Medusa tree: top-1 of each head (up to ``chain_k``) for a chain, else ``eval.medusa_choices``
+    (``auto``: :func:`default_medusa_choices`)."""
+    if chain:
+        return [(0,) * d for d in range(1, min(ecfg.chain_k, num_heads) + 1)]
+    if ecfg.medusa_choices in (None, "auto"):
+        return default_medusa_choices(num_heads)
+    return [tuple(c) for c in ecfg.medusa_choices]
+
+
 def build_drafter(method: str, head: nn.Module | None, num_target_layers: int, ecfg) -> Drafter:
     """The drafter of a method name (see ``METHODS``) from the eval config (``tree.total_tokens`` resolved)."""
     if method not in METHODS:
@@ -223,14 +233,7 @@ def build_drafter(method: str, head: nn.Module | None, num_target_layers: int, e
         t = ecfg.tree
         drafter = Eagle3Drafter(head, shape, t.top_k, t.depth, int(t.total_tokens), ecfg.chain_k)
     elif kind == "medusa" and isinstance(head, MedusaHead):
-        n = head.config.num_heads
-        if shape == "chain":
-            choices = [(0,) * d for d in range(1, min(ecfg.chain_k, n) + 1)]
-        elif ecfg.medusa_choices in (None, "auto"):
-            choices = default_medusa_choices(n)
-        else:
-            choices = [tuple(c) for c in ecfg.medusa_choices]
-        drafter = MedusaDrafter(head, num_target_layers, choices)
+        drafter = MedusaDrafter(head, num_target_layers, medusa_choices(ecfg, head.config.num_heads, shape == "chain"))
     else:
         raise ValueError(f"method {method!r} needs a {kind} head, got {type(head).__name__}")
     return HybridDrafter(drafter, ngram) if hybrid else drafter

@@ -16,12 +16,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.template import prompt_ids, with_system
 from eval.decoder import Generation, SpecDecoder
-from eval.drafters import Drafter, Eagle3Drafter, build_drafter
+from eval.drafters import Drafter, Eagle3Drafter, build_drafter, medusa_choices
 from eval.prompts import EvalPrompt, load_prompts
 from eval.report import aggregate, log_wandb, markdown, plot, recommend
-from eval.tree import default_medusa_choices
-from eval.treesize import acceptance_curve, choose_total_tokens, measure_verify_time
-from heads.eagle3 import Eagle3Head
+from eval.treesize import acceptance_curve, choose_total_tokens, draft_times, measure_verify_time
 from heads.io import head_type, load_head
 from train.log import log, progress
 from train.stages import require, stage_dir
@@ -55,37 +53,37 @@ def converse(decoder: SpecDecoder, drafter: Drafter, tokenizer, prompt: EvalProm
     return gens
 
 
+def context_ids(tokenizer, prompts: list[EvalPrompt], length: int) -> list[int]:
+    """``length`` tokens of real chat context: the prompts' first turns, templated, one after another."""
+    turns = [prompt_ids(tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in prompts]
+    return list(chain.from_iterable(turns * (1 + length // sum(map(len, turns)))))[:length]
+
+
 def size_tree(cfg: DictConfig, decoder: SpecDecoder, head, prompts: list[EvalPrompt], tokenizer) -> dict:
     """Verify time vs tree tokens on this machine and, with ``tree.total_tokens=auto``, the EAGLE tree
     size with the best predicted speedup from an acceptance curve measured on a few prompts."""
-    t = cfg.eval.tree
-    context = []
-    while len(context) < t.context:
-        context += list(chain.from_iterable(prompt_ids(tokenizer, [{"role": "user", "content": p.turns[0]}])
-                                            for p in prompts))
-    layers = list(head.config.aux_layers) if isinstance(head, Eagle3Head) else [decoder.target.config.num_hidden_layers]
+    t, kind = cfg.eval.tree, head_type(head)
+    context = context_ids(tokenizer, prompts, t.context)
+    layers = list(head.config.aux_layers) if kind == "eagle3" else [decoder.target.config.num_hidden_layers]
     sizes = tuple(int(s) for s in t.sizes)
     info = {"top_k": t.top_k, "depth": t.depth, "chain_k": cfg.eval.chain_k,
-            "verify_ms": measure_verify_time(decoder, context[: t.context], sizes, hidden_layers=layers)}
+            "verify_ms": measure_verify_time(decoder, context, sizes, hidden_layers=layers)}
     log("[eval] verify ms vs tree tokens: " + ", ".join(f"{s}: {ms:.0f}" for s, ms in info["verify_ms"].items()))
-    if isinstance(head, Eagle3Head) and t.total_tokens == "auto":
+    if kind == "eagle3" and t.total_tokens == "auto":
+        _, _, hidden = decoder.prefill(context[:-1], layers)
+        info["draft_ms"] = {s: sum(draft_times(decoder, Eagle3Drafter(head, "tree", t.top_k, t.depth, s), context,
+                                               hidden).values()) for s in sizes if s >= 2}
         drafter = Eagle3Drafter(head, "tree", t.top_k, t.depth, max(sizes))
         gens = [g for p in prompts[: t.calibration_prompts]
                 for g in converse(decoder, drafter, tokenizer, p, cfg, 0.0, cfg.seed)]
-        draft_ms = 1e3 * sum(g.draft_s for g in gens) / max(1, sum(len(g.paths) for g in gens))
         info["acceptance_curve"] = acceptance_curve(gens, sizes)
         info["total_tokens"], info["predicted_speedup"] = choose_total_tokens(
-            info["verify_ms"], info["acceptance_curve"], draft_ms)
-        info["draft_ms_per_cycle"] = draft_ms
+            info["verify_ms"], info["acceptance_curve"], info["draft_ms"])
         info["total_tokens_source"] = f"auto: best predicted speedup, {len(gens)} calibration decodes"
         log(f"[eval] total_tokens={info['total_tokens']} (predicted speedups {info['predicted_speedup']})")
     else:
-        info["total_tokens"], info["total_tokens_source"] = t.total_tokens, "config"
-    if head_type(head) == "medusa":
-        choices = cfg.eval.medusa_choices
-        info["medusa_nodes"] = len(default_medusa_choices(head.config.num_heads) if choices in (None, "auto") else choices)
-    else:
-        info["medusa_nodes"] = None
+        info["total_tokens"], info["total_tokens_source"] = int(t.total_tokens) if kind == "eagle3" else None, "config"
+    info["medusa_nodes"] = len(medusa_choices(cfg.eval, head.config.num_heads)) if kind == "medusa" else None
     return info
 
 
@@ -129,10 +127,10 @@ def _mb(tensors) -> float:
 
 
 def run(cfg: DictConfig) -> dict:
-    """Writes report.json = {target, head, device, dtype, head_params, head_extra_memory_mb, target_params,
-    target_memory_mb, tree, results: [{dataset, category, method, temperature, n_prompts, new_tokens,
-    cycles, tau, tokens_per_s, plain_tokens_per_s, speedup, draft_time_share, identical_to_plain,
-    acceptance}], recommendations}, report.md, records.jsonl and plots."""
+    """Writes report.json = {target, head, device, dtype, cpu_threads, head_params, head_extra_memory_mb,
+    target_params, target_memory_mb, tree, results: [{dataset, category, method, temperature, n_prompts,
+    new_tokens, cycles, tau, tokens_per_s, plain_tokens_per_s, speedup, draft_time_share,
+    identical_to_plain, acceptance}], recommendations}, report.md, records.jsonl and plots."""
     require(cfg, "train")
     if cfg.eval.num_threads:
         torch.set_num_threads(cfg.eval.num_threads)
@@ -158,6 +156,7 @@ def run(cfg: DictConfig) -> dict:
     results = aggregate(records)
     report = {
         "target": cfg.model.name, "head": kind, "device": str(target.device), "dtype": str(target.dtype),
+        "cpu_threads": torch.get_num_threads(),
         "head_params": sum(v.numel() for v in head.trained_state_dict().values() if v.is_floating_point()),
         "head_extra_memory_mb": _mb(chain(head.parameters(), head.buffers())),
         "target_params": sum(p.numel() for p in target.parameters()),

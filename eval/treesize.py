@@ -1,10 +1,10 @@
 """How big a draft tree pays off on the machine at hand.
 
-speedup(T) ~= tau(T) * t_verify(1) / (t_verify(T) + t_draft): the target's verify time grows with the
+speedup(T) ~= tau(T) * t_verify(1) / (t_verify(T) + t_draft(T)): the target's verify time grows with the
 number of tree tokens T (slowly on a GPU, quickly on a CPU) while the accepted length tau(T) saturates.
-Both curves are measured: the verify time with the decoder's own verify pass on a real context, tau(T)
-from greedy decodes with the largest tree (EAGLE trees are returned in score order, so the tree of
-T tokens is the first T - 1 nodes of a bigger one).
+All three are measured: the verify time with the decoder's own verify pass on a real context, the draft
+time with the drafter itself, tau(T) from greedy decodes with the largest tree (EAGLE trees are
+returned in score order, so the tree of T tokens is the first T - 1 nodes of a bigger one).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import statistics
 import torch
 
 from eval.decoder import Generation, SpecDecoder
+from eval.drafters import Drafter
+from eval.sampling import Sampling
 from eval.tree import DraftTree
 
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -40,6 +42,28 @@ def measure_verify_time(decoder: SpecDecoder, context: list[int], sizes: tuple[i
     return timings
 
 
+@torch.inference_mode()
+def draft_times(decoder: SpecDecoder, drafter: Drafter, context: list[int], hidden, new_rows: int = 3,
+                repeats: int = 5) -> dict[str, float]:
+    """Median ms of a drafter's ``update`` with ``new_rows`` freshly cached rows (what a cycle that
+    accepted ``new_rows - 1`` tokens commits) and of its ``propose`` (greedy). ``hidden``: the target's
+    hidden_states over ``context[:-1]`` (``decoder.prefill``) with the drafter's layers."""
+    layers = drafter.hidden_layers
+    old = {layer: hidden[layer][:, :-new_rows] for layer in layers}
+    new = {layer: hidden[layer][:, -new_rows:] for layer in layers}
+    times: dict[str, list[float]] = {"update": [], "propose": []}
+    for _ in range(repeats + 1):   # the first round warms up
+        drafter.reset(Sampling())
+        drafter.update(context[:-new_rows], old)
+        start = decoder.clock()
+        drafter.update(context, new)
+        times["update"].append(decoder.clock() - start)
+        start = decoder.clock()
+        drafter.propose(context)
+        times["propose"].append(decoder.clock() - start)
+    return {k: 1e3 * statistics.median(v[1:]) for k, v in times.items()}
+
+
 def acceptance_curve(generations: list[Generation], sizes: tuple[int, ...]) -> dict[int, float]:
     """Expected tokens per cycle (accepted + bonus) had the tree held only ``T`` tokens, for T in
     ``sizes``, from greedy generations with a larger score-ordered tree: a path's nodes below T stay."""
@@ -49,9 +73,10 @@ def acceptance_curve(generations: list[Generation], sizes: tuple[int, ...]) -> d
     return {size: 1.0 + sum(sum(node < size for node in p) for p in paths) / len(paths) for size in sizes}
 
 
-def choose_total_tokens(verify_ms: dict[int, float], tau: dict[int, float], draft_ms: float) -> tuple[int, dict[int, float]]:
-    """The tree size (2 tokens or more: the root alone is plain decoding) with the best predicted speedup,
-    and the prediction for every size."""
-    sizes = sorted(t for t in set(verify_ms) & set(tau) if t >= 2)
-    predicted = {t: tau[t] * verify_ms[1] / (verify_ms[t] + draft_ms) for t in sizes}
+def choose_total_tokens(verify_ms: dict[int, float], tau: dict[int, float],
+                        draft_ms: dict[int, float]) -> tuple[int, dict[int, float]]:
+    """The tree size (2 tokens or more: the root alone is plain decoding) with the best predicted speedup
+    tau(T) * verify(1) / (verify(T) + draft(T)), and the prediction for every size."""
+    sizes = sorted(t for t in set(verify_ms) & set(tau) & set(draft_ms) if t >= 2)
+    predicted = {t: tau[t] * verify_ms[1] / (verify_ms[t] + draft_ms[t]) for t in sizes}
     return max(predicted, key=predicted.get), predicted

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from heads.vocab import DraftVocab
+
 
 @dataclass
 class Eagle3Config:
@@ -64,8 +66,9 @@ class Eagle3Config:
             **defaults,
         )
         cfg.aux_layers = [int(i) for i in cfg.aux_layers]
-        if len(cfg.aux_layers) != 3 or not all(0 <= i <= n for i in cfg.aux_layers):
-            raise ValueError(f"head.aux_layers must be 3 hidden_states indices in [0, {n}], got {cfg.aux_layers}")
+        # Index n is HF's post-norm final state, while engines read the pre-norm residual there: not allowed.
+        if len(cfg.aux_layers) != 3 or not all(0 <= i < n for i in cfg.aux_layers):
+            raise ValueError(f"head.aux_layers must be 3 hidden_states indices in [0, {n - 1}], got {cfg.aux_layers}")
         if cfg.hidden_size != cfg.target_hidden_size:
             raise ValueError("head.hidden_size must equal the target's hidden size: the head uses the target's "
                              f"embedding ({cfg.target_hidden_size} wide), got {cfg.hidden_size}")
@@ -209,9 +212,9 @@ class Eagle3DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(DraftVocab):
     def __init__(self, cfg: Eagle3Config):
-        super().__init__()
+        super().__init__(cfg.draft_vocab_size, cfg.vocab_size)
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.requires_grad_(False)  # the target's, frozen (never exported as trained)
@@ -219,18 +222,6 @@ class Eagle3Head(nn.Module):
         self.midlayer = Eagle3DecoderLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
-        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    def draft_ids(self) -> torch.Tensor:
-        """Target ids of the draft vocabulary, ascending (draft id i -> target id i + d2t[i])."""
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     @torch.no_grad()
     def init_from_target(self, target, from_lm_head: bool = True) -> None:
@@ -242,7 +233,10 @@ class Eagle3Head(nn.Module):
             self.norm.weight.copy_(target.get_decoder().norm.weight)
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq
+        """cos/sin of plain RoPE with base ``rope_theta``, computed in fp32 whatever the head's dtype."""
+        d = self.config.head_dim
+        inv_freq = 1.0 / self.config.rope_theta ** (torch.arange(0, d, 2, device=position_ids.device).float() / d)
+        freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat([freqs, freqs], -1)[:, None]  # [B, 1, T, head_dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from heads.vocab import DraftVocab
+
 
 @dataclass
 class MedusaConfig:
@@ -46,23 +48,14 @@ class ResidualBlock(nn.Module):
         return x
 
 
-class MedusaHead(nn.Module):
+class MedusaHead(DraftVocab):
     def __init__(self, cfg: MedusaConfig):
-        super().__init__()
+        super().__init__(cfg.draft_vocab_size, cfg.vocab_size)
         self.config = cfg
         self.blocks = nn.ModuleList(ResidualBlock(cfg.hidden_size, cfg.num_layers) for _ in range(cfg.num_heads))
         self.lm_heads = nn.ModuleList(
             nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False) for _ in range(cfg.num_heads)
         )
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
-
-    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    def draft_ids(self) -> torch.Tensor:
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     @torch.no_grad()
     def init_from_target(self, target, from_lm_head: bool = True) -> None:

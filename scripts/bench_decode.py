@@ -13,6 +13,7 @@ Extra ``key=value`` arguments are Hydra overrides of conf/config.yaml (e.g. ``ev
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -25,12 +26,13 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from eval.bench import draft_times, random_head  # noqa: E402
+from eval.bench import random_head  # noqa: E402
 from eval.decoder import SpecDecoder  # noqa: E402
 from eval.drafters import build_drafter  # noqa: E402
 from eval.prompts import load_prompts  # noqa: E402
 from eval.report import aggregate  # noqa: E402
-from eval.stage import eos_token_ids, evaluate, resolve_methods, size_tree  # noqa: E402
+from eval.stage import context_ids, eos_token_ids, evaluate, resolve_methods, size_tree  # noqa: E402
+from eval.treesize import draft_times  # noqa: E402
 from heads.io import head_type, load_head  # noqa: E402
 from train.target import load_target, load_tokenizer  # noqa: E402
 
@@ -47,6 +49,7 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
 
 def main() -> None:
     args, overrides = parse()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     presets = [f"model={args.model}"] * bool(args.model) + [f"head={args.head}"] * bool(args.head)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=[
@@ -71,18 +74,24 @@ def main() -> None:
     print("  tokens " + "".join(f"{s:>8}" for s in tree["verify_ms"]))
     print("  ms     " + "".join(f"{ms:>8.1f}" for ms in tree["verify_ms"].values()))
     if "acceptance_curve" in tree:
+        print("  draft  " + "".join(f"{tree['draft_ms'].get(s, float('nan')):>8.1f}" for s in tree["verify_ms"]))
         print("  tau    " + "".join(f"{v:>8.2f}" for v in tree["acceptance_curve"].values()))
         print("  pred.x " + "".join(f"{tree['predicted_speedup'].get(s, float('nan')):>8.2f}" for s in tree["verify_ms"]))
-    print(f"  total_tokens = {tree['total_tokens']} ({tree['total_tokens_source']})")
+    if kind == "eagle3":
+        print(f"  EAGLE tree total_tokens = {tree['total_tokens']} ({tree['total_tokens_source']})")
+    else:
+        print(f"  Medusa tree: {tree['medusa_nodes']} nodes")
 
     ecfg = OmegaConf.merge(cfg.eval, {"tree": {"total_tokens": tree["total_tokens"]}})
     methods = resolve_methods("auto", kind)
     drafters = {m: build_drafter(m, head, target.config.num_hidden_layers, ecfg) for m in methods}
-    context = [t for p in prompts for t in tokenizer(p.turns[0])["input_ids"]][: cfg.eval.tree.context]
+    context = context_ids(tokenizer, prompts, cfg.eval.tree.context)
+    layers = sorted({layer for d in drafters.values() for layer in d.hidden_layers})
+    _, _, hidden = decoder.prefill(context[:-1], layers)
     print(f"\ndraft step times (ms, context {len(context)} tokens; update = 3 new rows):")
     for method, drafter in drafters.items():
         if method != "plain":
-            times = draft_times(decoder, drafter, context)
+            times = draft_times(decoder, drafter, context, hidden)
             print(f"  {method:<20} update {times['update']:7.2f}   propose {times['propose']:7.2f}")
 
     results = aggregate(evaluate(cfg, decoder, drafters, tokenizer, prompts, 0.0))

@@ -21,6 +21,7 @@ from eval import (
     NGramDrafter,
     Sampling,
     SpecDecoder,
+    accept,
     acceptance_curve,
     build_drafter,
     choose_total_tokens,
@@ -29,9 +30,10 @@ from eval import (
     static_tree,
     warp,
 )
-from eval.bench import draft_times, random_head
+from eval.bench import random_head
 from eval.drafters import MedusaDrafter
 from eval.stage import eos_token_ids
+from eval.treesize import draft_times
 from heads.eagle3 import KVCache
 from train.target import load_target, load_tokenizer
 
@@ -139,6 +141,23 @@ def test_warp_matches_transformers():
     for temperature, top_p in ((1.0, 1.0), (0.7, 0.9), (1.3, 0.5)):
         scores = TopPLogitsWarper(top_p)(None, TemperatureLogitsWarper(temperature)(None, logits.clone()))
         torch.testing.assert_close(warp(logits, temperature, top_p), torch.softmax(scores, -1))
+
+
+def test_typical_acceptance_is_opt_in_and_follows_its_rule():
+    """Medusa typical acceptance (lossy): a child is accepted iff p(x) > min(eps, delta * exp(-H(p)));
+    only used when asked for, and never at temperature 0."""
+    logits = torch.tensor([[4.0, 3.0, 0.0, -2.0, -2.0, -2.0]]).repeat(4, 1)
+    p = torch.softmax(logits[0], -1)
+    threshold = min(0.09, 0.3 * float(torch.exp(-(p * p.log()).sum())))
+    assert p[2] < threshold < p[1]
+    tree = DraftTree([2, 1, 0], [0, 0, 2])     # root -> {2 (atypical), 1 (typical) -> 0 (typical)}
+    sampling = Sampling(1.0, 1.0, torch.Generator().manual_seed(0))
+    for _ in range(20):
+        path, bonus = accept(tree, logits, sampling, typical=True)
+        assert path == [2, 3] and p[bonus] > threshold
+    assert accept(tree, logits, Sampling(), typical=True) == ([], 0)   # greedy stays exact: argmax is 0
+    sampled = {tuple(accept(tree, logits, sampling)[0]) for _ in range(200)}
+    assert () in sampled and (2, 3) in sampled   # the exact rule sometimes rejects typical children
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -320,9 +339,10 @@ def test_acceptance_curve_and_choice():
     # tree of T tokens keeps nodes 1..T-1: path [2, 5, 9] keeps 0, 1, 1, 2, 3 of them; [1] keeps 0, 1, 1, 1, 1
     assert curve == {1: 1.0, 2: 1 + 1 / 3, 3: 1 + 2 / 3, 6: 1 + 3 / 3, 10: 1 + 4 / 3}
     verify = {1: 10.0, 2: 11.0, 3: 12.0, 6: 13.0, 10: 30.0}
-    best, predicted = choose_total_tokens(verify, curve, draft_ms=2.0)
+    draft = {2: 1.0, 3: 2.0, 6: 2.0, 10: 2.0}
+    best, predicted = choose_total_tokens(verify, curve, draft)
     assert set(predicted) == {2, 3, 6, 10}    # the root alone (plain decoding) is no tree
-    # speedup(T) = tau(T) * verify(1) / (verify(T) + draft): 1.03, 1.19, 1.33, 0.73
+    # speedup(T) = tau(T) * verify(1) / (verify(T) + draft(T)): 1.11, 1.19, 1.33, 0.73
     assert predicted[6] == pytest.approx(2.0 * 10 / 15) and best == 6
 
 
@@ -331,7 +351,9 @@ def test_measure_verify_time_and_draft_times(tiny: Setup):
     timings = measure_verify_time(tiny.decoder, context, (1, 4, 16), repeats=1,
                                   hidden_layers=tiny.heads["eagle3"].config.aux_layers)
     assert list(timings) == [1, 4, 16] and all(ms > 0 for ms in timings.values())
-    times = draft_times(tiny.decoder, tiny.drafter("eagle3-tree"), context, repeats=1)
+    drafter = tiny.drafter("eagle3-tree")
+    _, _, hidden = tiny.decoder.prefill(context[:-1], drafter.hidden_layers)
+    times = draft_times(tiny.decoder, drafter, context, hidden, repeats=1)
     assert set(times) == {"update", "propose"} and all(ms > 0 for ms in times.values())
 
 
@@ -350,7 +372,7 @@ def test_default_target_greedy_lossless(default_cfg):
                    "Repeat after me exactly: the quick brown fox jumps over the lazy dog. the quick brown fox"):
         ids = prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
         with torch.inference_mode():
-            reference = hf_greedy(target, ids, 40, decoder.eos)
-        assert decoder.generate(ids, build_drafter("plain", None, 0, eval_cfg()), 40).tokens == reference
+            reference = hf_greedy(target, ids, NEW_TOKENS, decoder.eos)
+        assert decoder.generate(ids, build_drafter("plain", None, 0, eval_cfg()), NEW_TOKENS).tokens == reference
         for method, drafter in drafters.items():
-            assert decoder.generate(ids, drafter, 40).tokens == reference, method
+            assert decoder.generate(ids, drafter, NEW_TOKENS).tokens == reference, method

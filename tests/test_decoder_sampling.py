@@ -105,7 +105,7 @@ def sample(decoder: SpecDecoder, drafter, temperature: float, top_p: float) -> l
 
 
 def eagle3_chain(target) -> Eagle3Drafter:
-    head_cfg = OmegaConf.create({"aux_layers": [0, 1, 2], "draft_vocab_size": VOCAB})
+    head_cfg = OmegaConf.create({"aux_layers": [0, 1, 1], "draft_vocab_size": VOCAB})
     head = random_head("eagle3", target, head_cfg, torch.arange(VOCAB), seed=3)
     return Eagle3Drafter(head, "chain", chain_k=2)
 

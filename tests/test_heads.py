@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from heads import Eagle3Config, Eagle3Head, MedusaConfig, MedusaHead, load_head, save_head
 from heads.eagle3 import KVCache, TTTCache
 from train.extract import capture
-from train.losses import eagle3_loss, medusa_loss, shift, soft_ce, target_view, weights
+from train.losses import eagle3_loss, full_argmax, medusa_loss, shift, soft_ce, target_view, weights
 from train.target import load_target
 
 HEAD_CFG = OmegaConf.create({"aux_layers": None, "hidden_size": None, "intermediate_size": None,
@@ -128,11 +128,16 @@ def tiny_batch(target, layers):
     return ids, states, lengths, torch.ones_like(ids)
 
 
+def tiny_view(target, head, states):
+    lm_head = target.get_output_embeddings().weight
+    return target_view(states[:, :, -1], lm_head[head.draft_ids()], head.t2d, full_argmax(states[:, :, -1], lm_head))
+
+
 def test_eagle3_overfits_tiny_set(tiny_llama_cfg):
     target = load_target(tiny_llama_cfg)
     head = tiny_eagle3(target, dv=target.config.vocab_size)
     ids, states, lengths, mask = tiny_batch(target, [*head.config.aux_layers, target.config.num_hidden_layers])
-    view = target_view(states[:, :, -1], target.get_output_embeddings().weight, head.draft_ids())
+    view = tiny_view(target, head, states)
     losses, accs = overfit(head, lambda: eagle3_loss(head, states[:, :, :-1].flatten(2), ids, lengths, mask, view,
                                                      3, 0.8, "all"), 150)
     assert losses[-1] < 0.5 * losses[0]
@@ -146,7 +151,7 @@ def test_medusa_overfits_tiny_set(tiny_llama_cfg):
     head.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
     head.init_from_target(target)
     ids, states, lengths, mask = tiny_batch(target, [target.config.num_hidden_layers])
-    view = target_view(states[:, :, -1], target.get_output_embeddings().weight, head.draft_ids())
+    view = tiny_view(target, head, states)
     # The soft cross-entropy cannot go below the target's own entropy: compare the excess (the KL).
     entropy = sum(0.8**k * soft_ce(shift(view.log_p, 1 + k), shift(view.log_p, 1 + k),
                                    weights(view, lengths, mask, k, "all")).item() for k in range(3))

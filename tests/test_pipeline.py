@@ -60,10 +60,11 @@ def test_captures_equal_hf_hidden_states(prepared):
     for split, rows in (("train", [0, 5]), ("validation", [0])):
         for r in rows:
             ids = torch.tensor(ds[split][r]["input_ids"])[None]
-            reference = target(ids, output_hidden_states=True).hidden_states
-            got = captures.get(split, r)
+            out = target(ids, output_hidden_states=True)
+            got, argmax = captures.get(split, r)
             for j, layer in enumerate(captures.layers):
-                torch.testing.assert_close(got[:, j], reference[layer][0], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(got[:, j], out.hidden_states[layer][0], rtol=1e-5, atol=1e-5)
+            assert torch.equal(argmax.long(), out.logits[0].argmax(-1))
 
 
 def test_extract_survives_kill_9(prepared, tmp_path):

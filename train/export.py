@@ -62,9 +62,7 @@ def expected_tensors(fmt: str, head) -> dict[str, tuple[tuple[int, ...], torch.d
             for layer in range(c.num_layers):
                 out[f"blocks.{h}.layers.{layer}.weight"] = ((c.hidden_size, c.hidden_size), None)
                 out[f"blocks.{h}.layers.{layer}.bias"] = ((c.hidden_size,), None)
-            out[f"lm_heads.{h}.weight"] = ((c.draft_vocab_size, c.hidden_size), None)
-        if c.draft_vocab_size < c.vocab_size:
-            out["token_map"] = ((c.draft_vocab_size,), torch.int64)
+            out[f"lm_heads.{h}.weight"] = ((c.vocab_size, c.hidden_size), None)
         return out
     H, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     layer = "layers.0" if fmt == "speculators" else "midlayer"
@@ -107,13 +105,18 @@ def build(fmt: str, head, target, cfg: DictConfig, dtype: torch.dtype) -> tuple[
     dname = str(dtype).removeprefix("torch.")
     c = head.config
     if fmt == "medusa":
-        tensors = {k: v for k, v in cast.items() if k not in ("d2t", "t2d")}
-        if c.draft_vocab_size < c.vocab_size:
-            tensors["token_map"] = head.draft_ids().cpu()
+        # vLLM 0.32 cannot load a reduced vocabulary (token_map): full-vocabulary heads, zero rows
+        # (logit 0) outside the draft vocabulary, which the head's trained top tokens outscore.
+        tensors = {k: v for k, v in cast.items() if not k.startswith("lm_heads.") and k not in ("d2t", "t2d")}
+        rows = head.draft_ids().cpu()
+        for h in range(c.num_heads):
+            full = torch.zeros(c.vocab_size, c.hidden_size, dtype=dtype)
+            full[rows] = cast[f"lm_heads.{h}.weight"]
+            tensors[f"lm_heads.{h}.weight"] = full
         config = {
             "model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": c.hidden_size,
             "vocab_size": c.vocab_size, "num_heads": c.num_heads, "num_hidden_layers": c.num_layers,
-            "truncated_vocab_size": c.draft_vocab_size, "original_lm_head": False, "medusa_fc_bias": True,
+            "truncated_vocab_size": c.vocab_size, "original_lm_head": False, "medusa_fc_bias": True,
             "torch_dtype": dname,
         }
         return tensors, config
@@ -161,13 +164,13 @@ def import_export(path: str | Path, fmt: str, target) -> torch.nn.Module:
     config = json.loads((path / "config.json").read_text())
     tensors = load_file(str(path / "model.safetensors"))
     if fmt == "medusa":
+        # What the engine sees: full-vocabulary heads (zero rows outside the trained vocabulary).
         c = MedusaConfig(hidden_size=config["hidden_size"], vocab_size=config["vocab_size"],
-                         draft_vocab_size=config["truncated_vocab_size"], num_heads=config["num_heads"],
+                         draft_vocab_size=config["vocab_size"], num_heads=config["num_heads"],
                          num_layers=config["num_hidden_layers"])
         head = MedusaHead(c)
-        ids = tensors.pop("token_map", torch.arange(c.draft_vocab_size))
-        tensors["d2t"] = ids - torch.arange(c.draft_vocab_size)
-        tensors["t2d"] = torch.zeros(c.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+        tensors["d2t"] = torch.zeros(c.vocab_size, dtype=torch.long)
+        tensors["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)
     else:
         layer = config.get("transformer_layer_config", config)
         ids = config.get("eagle_aux_hidden_state_layer_ids") or config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
@@ -191,10 +194,11 @@ def import_export(path: str | Path, fmt: str, target) -> torch.nn.Module:
 
 
 def serve_commands(fmt: str, path: str, cfg: DictConfig) -> str:
-    target, k = target_name(cfg), cfg.export.num_speculative_tokens
+    target = target_name(cfg)
+    k = cfg.head.num_heads if fmt == "medusa" else cfg.export.num_speculative_tokens
     if fmt == "speculators":
         return f"vllm serve {path}\n# or: vllm serve {target} --speculative-config '{{\"model\": \"{path}\", \"num_speculative_tokens\": {k}}}'"
-    if fmt == "medusa":
+    if fmt == "medusa":  # vLLM builds num_speculative_tokens heads: it must equal the head count
         return (f"vllm serve {target} --speculative-config "
                 f"'{{\"method\": \"medusa\", \"model\": \"{path}\", \"num_speculative_tokens\": {k}}}'")
     if fmt == "sglang":

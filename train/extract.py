@@ -7,8 +7,10 @@ logits are not stored: training recomputes them from the stored final hidden sta
 target's frozen lm_head.
 
 Output ``<run_dir>/extract/``:
-- ``{split}-{i:05d}.safetensors``: ``hidden`` [tokens, n_layers, H] (extract.dtype), ``row_index`` [rows]
-  (row of the data split), ``offsets`` [rows + 1] (row r is hidden[offsets[r]:offsets[r+1]]);
+- ``{split}-{i:05d}.safetensors``: ``hidden`` [tokens, n_layers, H] (extract.dtype), ``argmax`` [tokens]
+  (int32: the target's full-vocabulary next-token argmax, so training needs only the draft
+  vocabulary's rows of the lm_head), ``row_index`` [rows] (row of the data split), ``offsets``
+  [rows + 1] (row r is hidden[offsets[r]:offsets[r+1]]);
   written under a temporary name and renamed, so a file that exists is complete.
 - ``manifest.json`` (rank 0, after all ranks finished): layers, dtype, hidden size, shards, token
   counts, bytes, fingerprints of the target, the tokenizer and the data.
@@ -35,6 +37,7 @@ from data.stage import load_dataset, row_lengths
 from heads.io import head_config
 from train import dist
 from train.log import log, progress
+from train.losses import full_argmax
 from train.stages import require, stage_dir
 from train.target import (
     load_config,
@@ -153,11 +156,12 @@ def run(cfg: DictConfig) -> dict:
     lengths = {s: row_lengths(ds[s]) for s in SPLITS}
     shards = plan_shards(lengths, bytes_per_token, cfg.extract.shard_mb)
     todo = [s for s in shards if not (out / s["file"]).exists()]
-    check_disk(out, sum(s["tokens"] for s in todo) * bytes_per_token, cfg.extract.disk_margin)
+    check_disk(out, sum(s["tokens"] for s in todo) * (bytes_per_token + 4), cfg.extract.disk_margin)
 
     world, rank = dist.world_size(), dist.rank()
     mine = [s for i, s in enumerate(shards) if i % world == rank and s in todo]
     model = _load_model(cfg, device)
+    lm_head = model.get_output_embeddings().weight
     # ZeRO-3 gathers parameters collectively: every rank must run the same number of forward passes.
     plans = [[b for s in shards[r::world] if s in todo for b in batches(s["rows"], lengths[s["split"]],
                                                                       cfg.extract.batch_tokens)]
@@ -177,16 +181,19 @@ def run(cfg: DictConfig) -> dict:
                 ids[j, : len(row)] = row
                 mask[j, : len(row)] = 1
             t0 = time.time()
-            states = capture(model, ids.to(device), layers, mask.to(device)).to("cpu", dtype)
+            states = capture(model, ids.to(device), layers, mask.to(device))
+            argmax = full_argmax(states[:, :, -1], lm_head).to("cpu", torch.int32)
+            states = states.to("cpu", dtype)
             forward_s += time.time() - t0
             done_passes += 1
             for j, r in enumerate(batch):
-                pieces[r] = states[j, : lengths[split][r]]
+                pieces[r] = (states[j, : lengths[split][r]], argmax[j, : lengths[split][r]])
             bar.update(sum(lengths[split][r] for r in batch))
         rows = shard["rows"]
         offsets = torch.tensor([0] + [lengths[split][r] for r in rows]).cumsum(0)
         tmp = out / f".{shard['file']}.tmp{os.getpid()}"
-        save_file({"hidden": torch.cat([pieces[r] for r in rows]).contiguous(),
+        save_file({"hidden": torch.cat([pieces[r][0] for r in rows]).contiguous(),
+                   "argmax": torch.cat([pieces[r][1] for r in rows]).contiguous(),
                    "row_index": torch.tensor(rows, dtype=torch.long), "offsets": offsets},
                   str(tmp), metadata={"layers": json.dumps(layers), "split": split})
         os.replace(tmp, out / shard["file"])
@@ -234,8 +241,10 @@ class Captures:
                 self.index[shard["split"]][r] = (shard["file"], offsets[j], offsets[j + 1])
         self._open: dict[str, object] = {}
 
-    def get(self, split: str, row: int) -> torch.Tensor:
+    def get(self, split: str, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [length, n_layers, H], full-vocabulary target argmax [length]) of one row."""
         file, a, b = self.index[split][row]
         if file not in self._open:
             self._open[file] = safe_open(str(self.dir / file), framework="pt")
-        return self._open[file].get_slice("hidden")[a:b]
+        f = self._open[file]
+        return f.get_slice("hidden")[a:b], f.get_slice("argmax")[a:b]

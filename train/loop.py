@@ -28,7 +28,7 @@ from heads.io import build_head, head_config, save_head
 from train import dist
 from train.extract import Captures, capture, capture_layers
 from train.log import log, progress
-from train.losses import StepStats, eagle3_loss, medusa_loss, target_view
+from train.losses import StepStats, eagle3_loss, full_argmax, medusa_loss, target_view
 from train.stages import fingerprint, require, stage_dir
 from train.target import load_target, resolve_device, resolve_dtype
 from train.tracking import Tracker
@@ -76,23 +76,27 @@ class Batches:
         lengths_t = torch.tensor(lengths, device=self.device)
         if self.captures is not None:
             states = torch.zeros(len(batch), T, len(self.layers), self.captures.manifest["hidden_size"])
+            argmax = torch.zeros(len(batch), T, dtype=torch.long)
             for j, r in enumerate(batch):
-                states[j, : lengths[j]] = self.captures.get(self.split, r).float()
-            states = states.to(self.device)
-        else:
+                hidden, top = self.captures.get(self.split, r)
+                states[j, : lengths[j]], argmax[j, : lengths[j]] = hidden.float(), top
+            states, argmax = states.to(self.device), argmax.to(self.device)
+        else:  # online: the same capture as the extract stage
             with torch.no_grad():
                 attention = (torch.arange(T, device=self.device)[None] < lengths_t[:, None]).long()
                 states = capture(self.target, ids, self.layers, attention)
-        return {"input_ids": ids, "loss_mask": mask, "lengths": lengths_t, "states": states,
+                argmax = full_argmax(states[:, :, -1], self.target.get_output_embeddings().weight)
+        return {"input_ids": ids, "loss_mask": mask, "lengths": lengths_t, "states": states, "argmax": argmax,
                 "tokens": sum(lengths)}
 
 
-def compute(head, kind: str, batch: dict, lm_head: torch.Tensor, cfg: DictConfig, positions: str,
+def compute(head, kind: str, batch: dict, draft_rows: torch.Tensor, cfg: DictConfig, positions: str,
             noise_std: float = 0.0) -> StepStats:
+    """The head's loss on one batch; ``draft_rows`` = the target's lm_head rows of the draft vocabulary."""
     states = batch["states"]
     dtype = next(p for p in head.parameters() if p.requires_grad).dtype
     last = states[:, :, -1]
-    view = target_view(last, lm_head, head.draft_ids())
+    view = target_view(last, draft_rows, head.t2d, batch["argmax"])
     if kind == "eagle3":
         taps = states[:, :, :-1].flatten(2).to(dtype)
         if noise_std:
@@ -120,11 +124,11 @@ def summarise(correct: list[torch.Tensor], weight: list[torch.Tensor]) -> dict[s
 
 
 @torch.no_grad()
-def validate(head, kind, cfg, batches: Batches, lm_head, max_tokens: int) -> dict[str, float]:
+def validate(head, kind, cfg, batches: Batches, draft_rows, max_tokens: int) -> dict[str, float]:
     head.eval()
     correct, weight = None, None
     for batch in micro_batches(row_lengths(batches.rows), max_tokens, 0, shuffle=False):
-        stats = compute(head, kind, batches(batch), lm_head, cfg, "assistant")
+        stats = compute(head, kind, batches(batch), draft_rows, cfg, "assistant")
         flat_c = [c.flatten() for c in stats.correct]
         flat_w = [w.flatten() for w in stats.weight]
         correct = flat_c if correct is None else [torch.cat([a, b]) for a, b in zip(correct, flat_c, strict=True)]
@@ -178,7 +182,7 @@ def run(cfg: DictConfig) -> dict:
     head.set_vocab(vocab["d2t"], vocab["t2d"])
     head.to(device)
     head.init_from_target(target, cfg.head.get("init_from_target", True))
-    lm_head = target.get_output_embeddings().weight.detach()
+    draft_rows = target.get_output_embeddings().weight.detach()[head.draft_ids()]
 
     ds = load_dataset(cfg)
     captures = None if tcfg.online else Captures(stage_dir(cfg, "extract"))
@@ -238,7 +242,7 @@ def run(cfg: DictConfig) -> dict:
     stop = False
 
     def evaluate(reason: str) -> None:
-        metrics = validate(model, kind, cfg, make_val, lm_head, tcfg.micro_batch_tokens)
+        metrics = validate(model, kind, cfg, make_val, draft_rows, tcfg.micro_batch_tokens)
         improved = metrics["sim_tau"] > state["best"] + 1e-4
         if improved:
             state["best"], state["bad_evals"] = metrics["sim_tau"], 0
@@ -277,7 +281,7 @@ def run(cfg: DictConfig) -> dict:
             losses, correct, weight = [], [], []
             for batch_rows in mine:
                 batch = make_train(batch_rows)
-                stats = compute(model, kind, batch, lm_head, cfg, positions, tcfg.noise_std)
+                stats = compute(model, kind, batch, draft_rows, cfg, positions, tcfg.noise_std)
                 engine.backward(stats.loss)
                 engine.step()
                 tokens_seen += batch["tokens"]

@@ -29,20 +29,20 @@ class TargetView:
 
 
 @torch.no_grad()
-def target_view(last: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Tensor, chunk: int = 2048) -> TargetView:
-    """Recompute the target's logits from its final hidden state (chunked over tokens)."""
-    B, T, H = last.shape
-    flat = last.reshape(-1, H)
-    log_p, argmax, in_vocab = [], [], []
-    is_draft = torch.zeros(lm_head.shape[0], dtype=torch.bool, device=last.device)
-    is_draft[draft_ids] = True
-    for a in range(0, flat.shape[0], chunk):
-        logits = flat[a: a + chunk].to(lm_head.dtype) @ lm_head.T
-        in_vocab.append(is_draft[logits.argmax(-1)])
-        restricted = logits[:, draft_ids].float()
-        log_p.append(torch.log_softmax(restricted, -1))
-        argmax.append(restricted.argmax(-1))
-    return TargetView(torch.cat(log_p).view(B, T, -1), torch.cat(argmax).view(B, T), torch.cat(in_vocab).view(B, T))
+def full_argmax(last: torch.Tensor, lm_head: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """The target's own next-token argmax over its full vocabulary, [...] from last [..., H] (chunked)."""
+    flat = last.reshape(-1, last.shape[-1])
+    out = [(flat[a: a + chunk].to(lm_head.dtype) @ lm_head.T).argmax(-1) for a in range(0, flat.shape[0], chunk)]
+    return torch.cat(out).view(last.shape[:-1])
+
+
+@torch.no_grad()
+def target_view(last: torch.Tensor, draft_rows: torch.Tensor, t2d: torch.Tensor, argmax: torch.Tensor) -> TargetView:
+    """The target's distribution over the draft vocabulary, from its final hidden state ``last`` [B, T, H],
+    the lm_head rows of the draft vocabulary ``draft_rows`` [draft_vocab, H], and the full-vocabulary
+    ``argmax`` [B, T] (stored by the extract stage, or :func:`full_argmax`)."""
+    restricted = (last.to(draft_rows.dtype) @ draft_rows.T).float()
+    return TargetView(torch.log_softmax(restricted, -1), restricted.argmax(-1), t2d[argmax])
 
 
 def shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:

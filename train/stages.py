@@ -40,6 +40,8 @@ DEPENDS = {
     "export": ["export"],
     "publish": ["publish"],
 }
+# Bumped when a stage's output format changes, so older outputs are redone rather than misread.
+FORMAT_VERSION = {"extract": 2}
 # Stages that run on every rank (they split their work); the others run on rank 0 while the rest wait.
 DISTRIBUTED = {"extract", "train"}
 MARKER = "_complete.json"
@@ -68,6 +70,7 @@ def fingerprint(cfg: DictConfig, name: str) -> str:
         value = OmegaConf.select(cfg, key)
         parts[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
     parts["upstream"] = {u: (read_marker(cfg, u) or {}).get("fingerprint") for u in upstream(cfg, name)}
+    parts["format_version"] = FORMAT_VERSION.get(name, 1)
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -1,0 +1,65 @@
+"""Which training levers pay on a small CPU budget: short trainings that differ in one setting each,
+compared by validation accuracy and simulated tau (on held-out prompts).
+
+Each variant trains for the same wall-clock budget in a scratch copy of a finished run's data and
+extract stages. Default variants: the default config, assistant-only positions, no init from the
+target's lm_head, fewer TTT steps, tap noise.
+
+    .venv/bin/python scripts/bench_levers.py [--minutes 6] [--variant "name:key=value,key=value" ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+
+from _bench import scratch_run
+
+DEFAULT_VARIANTS = [
+    "default:",
+    "assistant-only positions:train.positions=assistant",
+    "no lm_head init:head.init_from_target=false",
+    "TTT 3 steps:head.ttt_steps=3",
+    "tap noise 0.05:train.noise_std=0.05",
+]
+
+
+def train_variant(overrides: list[str], minutes: float, head: str) -> dict:
+    from train.stages import run_stages, stage_dir
+
+    cfg, _ = scratch_run([f"head={head}"], ["data", "extract"],
+                         ["stages=[train]", f"train.max_minutes={minutes}", "train.patience=1000", *overrides])
+    try:
+        run_stages(cfg)
+        return json.loads((stage_dir(cfg, "train") / "summary.json").read_text())
+    finally:
+        shutil.rmtree(cfg.run_dir, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=6.0)
+    parser.add_argument("--head", default="eagle3")
+    parser.add_argument("--variant", action="append", help="'name:key=value,key=value' (repeatable)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    rows = []
+    for spec in args.variant or DEFAULT_VARIANTS:
+        name, _, overrides = spec.partition(":")
+        summary = train_variant([o for o in overrides.split(",") if o], args.minutes, args.head)
+        rows.append((name, summary))
+        best = summary["best"]
+        print(f"{name}: steps {summary['steps']}, {summary['tokens_per_s']:.0f} tok/s, best sim_tau "
+              f"{best['sim_tau']:.3f} chain_tau {best['chain_tau']:.3f}", flush=True)
+    print(f"\n== training levers: {args.head}, {args.minutes} min each, validation (held-out prompts) ==")
+    print(f"{'variant':<28} {'steps':>6} {'tok/s':>6} {'acc_0':>6} {'acc_1':>6} {'acc_2':>6} {'sim_tau':>8} {'chain_tau':>9}")
+    for name, s in rows:
+        b = s["best"]
+        print(f"{name:<28} {s['steps']:6d} {s['tokens_per_s']:6.0f} {b['acc_0']:6.3f} {b.get('acc_1', 0):6.3f} "
+              f"{b.get('acc_2', 0):6.3f} {b['sim_tau']:8.3f} {b['chain_tau']:9.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Publish stage: upload ONE export folder (model card included) to the Hugging Face Hub.
+
+Only the files of that export folder are sent -- never training data, hidden states, checkpoints or
+optimizer state. ``publish.dry_run=true`` lists exactly what would be sent and sends nothing. A
+missing token, a missing export or a malformed repo id is an error before anything is sent.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from train.export import FORMATS
+from train.log import log
+from train.stages import require, stage_dir
+
+REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
+# What an export folder may contain; anything else is refused rather than uploaded.
+ALLOWED = {"config.json", "model.safetensors", "README.md", "generation_config.json"}
+
+
+class PublishError(ValueError):
+    pass
+
+
+def files_to_send(folder: Path) -> list[Path]:
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    unexpected = [p.name for p in files if p.name not in ALLOWED]
+    if unexpected:
+        raise PublishError(f"{folder} holds files that are not part of an export: {unexpected}; refusing to upload")
+    if not (folder / "model.safetensors").exists() or not (folder / "config.json").exists():
+        raise PublishError(f"{folder} is not a complete export (model.safetensors and config.json are needed)")
+    return files
+
+
+def resolve_token(pcfg: DictConfig) -> str | None:
+    from huggingface_hub import get_token
+
+    return pcfg.token or os.environ.get("HF_TOKEN") or get_token()
+
+
+def run(cfg: DictConfig) -> dict:
+    pcfg = cfg.publish
+    if not pcfg.repo_id or not REPO_ID.match(str(pcfg.repo_id)):
+        raise PublishError(f"publish.repo_id must look like 'user/name', got {pcfg.repo_id!r}")
+    fmt = pcfg.format or FORMATS[cfg.head.type][0]
+    if fmt not in FORMATS[cfg.head.type]:
+        raise PublishError(f"publish.format {fmt!r} is not an export of a {cfg.head.type} head ({FORMATS[cfg.head.type]})")
+    require(cfg, "export")
+    folder = stage_dir(cfg, "export") / fmt
+    if not folder.is_dir():
+        raise PublishError(f"no export folder {folder}; run the export stage with this format first")
+    files = files_to_send(folder)
+    listing = [{"path": str(p.relative_to(folder)), "bytes": p.stat().st_size} for p in files]
+    for item in listing:
+        log(f"[publish] {'would send' if pcfg.dry_run else 'sending'} {item['path']} ({item['bytes']} bytes)")
+    if pcfg.dry_run:
+        return {"dry_run": True, "repo_id": pcfg.repo_id, "private": pcfg.private, "files": listing}
+    token = resolve_token(pcfg)
+    if not token:
+        raise PublishError("no Hugging Face token: set HF_TOKEN, publish.token, or run `huggingface-cli login`")
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    url = api.create_repo(pcfg.repo_id, private=pcfg.private, exist_ok=True, repo_type="model")
+    api.upload_folder(repo_id=pcfg.repo_id, folder_path=str(folder), allow_patterns=[i["path"] for i in listing],
+                      commit_message=f"Upload {cfg.head.type} draft head ({fmt} format)")
+    log(f"[publish] uploaded {len(listing)} files to {url}")
+    return {"dry_run": False, "repo_id": pcfg.repo_id, "url": str(url), "files": listing}
