@@ -4,7 +4,9 @@ PY         := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 ARGS       ?=
 PYTEST_ARGS ?=
-export TORCH_SPEC VENV
+# OpenMP threads that sleep instead of spinning when they wait: a shared 2-core machine stays usable.
+OMP_WAIT_POLICY ?= PASSIVE
+export TORCH_SPEC VENV OMP_WAIT_POLICY
 
 .PHONY: setup demo test test-unit test-integration test-slow vllm-env lint bench clean
 

@@ -231,7 +231,8 @@ def build_drafter(method: str, head: nn.Module | None, num_target_layers: int, e
     kind, hybrid = kind.removesuffix("+ngram"), "+ngram" in kind
     if kind == "eagle3" and isinstance(head, Eagle3Head):
         t = ecfg.tree
-        drafter = Eagle3Drafter(head, shape, t.top_k, t.depth, int(t.total_tokens), ecfg.chain_k)
+        total = ecfg.chain_k + 1 if shape == "chain" else int(t.total_tokens)  # a chain needs no tree size
+        drafter = Eagle3Drafter(head, shape, t.top_k, t.depth, total, ecfg.chain_k)
     elif kind == "medusa" and isinstance(head, MedusaHead):
         drafter = MedusaDrafter(head, num_target_layers, medusa_choices(ecfg, head.config.num_heads, shape == "chain"))
     else:

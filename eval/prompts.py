@@ -55,3 +55,8 @@ def load_prompts(cfg: DictConfig) -> list[EvalPrompt]:
     if ecfg.questions:
         sets.append(_read(Path(ecfg.questions).stem, {"path": str(ecfg.questions)}, None, ecfg.all_turns, None))
     return [p for s in sets for p in spread(s, ecfg.limit)]
+
+
+def calibration_prompts(limit: int) -> list[EvalPrompt]:
+    """Built-in TRAIN-split prompts for sizing the tree, so no evaluation prompt is seen beforehand."""
+    return spread(_read("calibration", {"type": "builtin"}, None, False, "train"), limit)

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from data.template import prompt_ids, with_system
 from eval.decoder import Generation, SpecDecoder
 from eval.drafters import Drafter, Eagle3Drafter, build_drafter, medusa_choices
-from eval.prompts import EvalPrompt, load_prompts
+from eval.prompts import EvalPrompt, calibration_prompts, load_prompts
 from eval.report import aggregate, log_wandb, markdown, plot, recommend
 from eval.treesize import acceptance_curve, choose_total_tokens, draft_times, measure_verify_time
 from heads.io import head_type, load_head
@@ -59,10 +59,12 @@ def context_ids(tokenizer, prompts: list[EvalPrompt], length: int) -> list[int]:
     return list(chain.from_iterable(turns * (1 + length // sum(map(len, turns)))))[:length]
 
 
-def size_tree(cfg: DictConfig, decoder: SpecDecoder, head, prompts: list[EvalPrompt], tokenizer) -> dict:
+def size_tree(cfg: DictConfig, decoder: SpecDecoder, head, tokenizer) -> dict:
     """Verify time vs tree tokens on this machine and, with ``tree.total_tokens=auto``, the EAGLE tree
-    size with the best predicted speedup from an acceptance curve measured on a few prompts."""
+    size with the best predicted speedup from an acceptance curve measured on a few TRAINING prompts
+    (never the evaluation prompts)."""
     t, kind = cfg.eval.tree, head_type(head)
+    prompts = calibration_prompts(max(t.calibration_prompts, 8))
     context = context_ids(tokenizer, prompts, t.context)
     layers = list(head.config.aux_layers) if kind == "eagle3" else [decoder.target.config.num_hidden_layers]
     sizes = tuple(int(s) for s in t.sizes)
@@ -146,7 +148,7 @@ def run(cfg: DictConfig) -> dict:
         raise ValueError("eval: no prompts (check eval.datasets, eval.questions and eval.limit)")
     log(f"[eval] {len(prompts)} prompts, {kind} head, device {target.device}, {target.dtype}")
 
-    tree = size_tree(cfg, decoder, head, prompts, tokenizer)
+    tree = size_tree(cfg, decoder, head, tokenizer)
     ecfg = OmegaConf.merge(cfg.eval, {"tree": {"total_tokens": tree["total_tokens"]}})
     methods = resolve_methods(OmegaConf.to_container(cfg.eval.methods) if OmegaConf.is_config(cfg.eval.methods)
                               else cfg.eval.methods, kind)

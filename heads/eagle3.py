@@ -232,6 +232,13 @@ class Eagle3Head(DraftVocab):
             self.lm_head.weight.copy_(target.get_output_embeddings().weight[self.draft_ids()])
             self.norm.weight.copy_(target.get_decoder().norm.weight)
 
+    @torch.no_grad()
+    def init_fc_last_tap(self) -> None:
+        """``fc`` passes the highest tap through: the first feature is the target's own residual stream."""
+        H = self.config.hidden_size
+        self.fc.weight.zero_()
+        self.fc.weight[:, 2 * H:] = torch.eye(H)
+
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of plain RoPE with base ``rope_theta``, computed in fp32 whatever the head's dtype."""
         d = self.config.head_dim

@@ -110,6 +110,7 @@ def spec_counters(llm) -> dict:
 
 
 def subtract(after: float | list, before: float | list | None) -> float | list:
+    """A counter (or per-position counters) minus its earlier snapshot."""
     if isinstance(after, list):
         return [a - b for a, b in zip(after, before or [0] * len(after), strict=True)]
     return after - (before or 0)
@@ -193,8 +194,7 @@ def our_chain(cfg: DictConfig, target, head, export: Export, prompts: list[list[
     from eval import SpecDecoder, build_drafter
 
     kind = "medusa" if export.fmt == "medusa" else "eagle3"
-    # build_drafter reads tree.total_tokens as an int for every EAGLE-3 method; a chain does not use it.
-    ecfg = OmegaConf.merge(cfg.eval, {"chain_k": export.k, "tree": {"total_tokens": export.k + 1}})
+    ecfg = OmegaConf.merge(cfg.eval, {"chain_k": export.k})
     drafter = build_drafter(f"{kind}-chain", head, target.config.num_hidden_layers, ecfg)
     decoder = SpecDecoder(target, eos_token_ids=())
     with torch.inference_mode():
@@ -320,6 +320,7 @@ def reports(check: TargetCheck, args) -> dict[Path, dict]:
 
 
 def table(all_reports: dict[Path, dict]) -> str:
+    """One row per export: identity, both taus, the n-gram baseline, throughput."""
     rows = [("export", "k", "identical", "vLLM tau", "our tau", "diff", "n-gram tau", "tok/s spec | no-spec")]
     for run_dir, report in all_reports.items():
         for fmt, x in report["exports"].items():
@@ -333,6 +334,7 @@ def table(all_reports: dict[Path, dict]) -> str:
 
 
 def check(args) -> int:
+    """Check every run directory (one engine process per target); write the reports; 1 on a failure."""
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from train.target import target_path
@@ -341,6 +343,8 @@ def check(args) -> int:
         raise SystemExit(f"{args.vllm_python} not found: create the vLLM environment with `make vllm-env`")
     groups: dict[str, list[tuple[Path, DictConfig]]] = {}
     for run_dir in args.run_dirs:
+        if not run_dir.is_dir():
+            raise SystemExit(f"{run_dir}: no such run directory")
         cfg = run_config(run_dir.resolve())
         groups.setdefault(target_path(cfg), []).append((run_dir.resolve(), cfg))
     all_reports: dict[Path, dict] = {}

@@ -57,11 +57,11 @@ def test_medusa_checkpoint_names_and_init(tiny_qwen2_cfg):
     H, V = target.config.hidden_size, target.config.vocab_size
     head = MedusaHead(MedusaConfig.from_target(target.config, HEAD_CFG, 32))
     state = head.trained_state_dict()
-    names = {f"blocks.{h}.layers.{l}.{p}" for h in range(3) for l in range(2) for p in ("weight", "bias")}
+    names = {f"blocks.{h}.layers.{i}.{p}" for h in range(3) for i in range(2) for p in ("weight", "bias")}
     names |= {f"lm_heads.{h}.weight" for h in range(3)} | {"d2t", "t2d"}
     assert set(state) == names
     assert state["blocks.0.layers.1.weight"].shape == (H, H) and state["lm_heads.2.weight"].shape == (32, H)
-    assert all(torch.count_nonzero(state[f"blocks.{h}.layers.{l}.weight"]) == 0 for h in range(3) for l in range(2))
+    assert all(torch.count_nonzero(state[f"blocks.{h}.layers.{i}.weight"]) == 0 for h in range(3) for i in range(2))
     assert head(torch.randn(2, 5, H)).shape == (3, 2, 5, 32)
     assert state["t2d"].shape == (V,)
 

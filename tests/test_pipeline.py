@@ -23,7 +23,7 @@ from train.target import load_target
 BASE = ["model=tiny-llama", "head.draft_vocab_size=64", "data.sources=[{type:builtin,limit:24}]",
         "data.regen.max_new_tokens=24", "extract.dtype=float32", "head.ttt_steps=3", "train.micro_batch_tokens=1024",
         "train.log_every=1", "train.eval_every=1000", "train.checkpoint_every=3", "train.max_steps=6",
-        "train.warmup_steps=2", "train.num_threads=1"]
+        "train.warmup_steps=2", "train.num_threads=1", "train.max_minutes=null"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -182,3 +182,22 @@ def test_two_ranks_extract_like_one(prepared, tmp_path):
         assert two.index[split].keys() == one.index[split].keys()
         for r in one.index[split]:
             torch.testing.assert_close(two.get(split, r), one.get(split, r), rtol=1e-5, atol=1e-5)
+
+
+def test_extract_redoes_shards_of_other_settings(prepared, tmp_path):
+    """Shards left by other settings are never taken for complete ones."""
+    cfg = fresh_run(prepared, tmp_path, "stages=[extract]", "extract.dtype=bfloat16")
+    run_stages(cfg)
+    captures = Captures(stage_dir(cfg, "extract"))
+    hidden, argmax = captures.get("train", 0)
+    assert hidden.dtype == torch.bfloat16 and argmax.dtype == torch.int32
+
+
+def test_time_budget_fits_the_schedule_and_stops(prepared, tmp_path):
+    cfg = fresh_run(prepared, tmp_path, "stages=[train]", "train.max_steps=100000", "train.max_minutes=0.15")
+    start = time.time()
+    run_stages(cfg)
+    summary = json.loads((stage_dir(cfg, "train") / "summary.json").read_text())
+    assert summary["steps"] < 100000 and time.time() - start < 120
+    lrs = [m["lr"] for m in metrics(cfg)]
+    assert lrs[-1] < 0.5 * max(lrs)  # the cosine reached its end within the budget

@@ -197,7 +197,8 @@ def serve_commands(fmt: str, path: str, cfg: DictConfig) -> str:
     target = target_name(cfg)
     k = cfg.head.num_heads if fmt == "medusa" else cfg.export.num_speculative_tokens
     if fmt == "speculators":
-        return f"vllm serve {path}\n# or: vllm serve {target} --speculative-config '{{\"model\": \"{path}\", \"num_speculative_tokens\": {k}}}'"
+        return (f"vllm serve {path}\n# or: vllm serve {target} --speculative-config "
+                f"'{{\"method\": \"eagle3\", \"model\": \"{path}\", \"num_speculative_tokens\": {k}}}'")
     if fmt == "medusa":  # vLLM builds num_speculative_tokens heads: it must equal the head count
         return (f"vllm serve {target} --speculative-config "
                 f"'{{\"method\": \"medusa\", \"model\": \"{path}\", \"num_speculative_tokens\": {k}}}'")

@@ -38,7 +38,7 @@ from heads.io import head_config
 from train import dist
 from train.log import log, progress
 from train.losses import full_argmax
-from train.stages import require, stage_dir
+from train.stages import fingerprint, require, stage_dir
 from train.target import (
     load_config,
     load_target,
@@ -114,6 +114,14 @@ def batches(rows: list[int], lengths: list[int], batch_tokens: int) -> list[list
     return out + ([cur] if cur else [])
 
 
+def _complete(path: Path, fp: str) -> bool:
+    """A shard from this very configuration (an older one, from other settings, is redone)."""
+    if not path.exists():
+        return False
+    with safe_open(str(path), framework="pt") as f:
+        return (f.metadata() or {}).get("fingerprint") == fp
+
+
 def check_disk(path: Path, needed: int, margin: float) -> None:
     free = shutil.disk_usage(path).free
     log(f"[extract] needs about {needed / 2**30:.2f} GiB on disk; {free / 2**30:.2f} GiB free at {path}")
@@ -155,7 +163,8 @@ def run(cfg: DictConfig) -> dict:
     ds = load_dataset(cfg)
     lengths = {s: row_lengths(ds[s]) for s in SPLITS}
     shards = plan_shards(lengths, bytes_per_token, cfg.extract.shard_mb)
-    todo = [s for s in shards if not (out / s["file"]).exists()]
+    fp = fingerprint(cfg, "extract")
+    todo = [s for s in shards if not _complete(out / s["file"], fp)]
     check_disk(out, sum(s["tokens"] for s in todo) * (bytes_per_token + 4), cfg.extract.disk_margin)
 
     world, rank = dist.world_size(), dist.rank()
@@ -195,7 +204,7 @@ def run(cfg: DictConfig) -> dict:
         save_file({"hidden": torch.cat([pieces[r][0] for r in rows]).contiguous(),
                    "argmax": torch.cat([pieces[r][1] for r in rows]).contiguous(),
                    "row_index": torch.tensor(rows, dtype=torch.long), "offsets": offsets},
-                  str(tmp), metadata={"layers": json.dumps(layers), "split": split})
+                  str(tmp), metadata={"layers": json.dumps(layers), "split": split, "fingerprint": fp})
         os.replace(tmp, out / shard["file"])
     dummy = torch.full((1, 1), tokenizer.pad_token_id, dtype=torch.long, device=device)
     for _ in range(n_passes - done_passes):  # keep ZeRO-3 ranks in step

@@ -144,6 +144,17 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress_))
 
 
+def fit_schedule(state: dict, tcfg: DictConfig, step_s: float, elapsed_s: float) -> None:
+    """Shrink the planned steps to what ``train.max_minutes`` allows at the measured step time (10% kept
+    for validation and checkpoints)."""
+    state["fitted"] = True
+    fits = state["step"] + int((0.9 * tcfg.max_minutes * 60 - elapsed_s) / step_s)
+    if fits < state["total_steps"]:
+        state["total_steps"] = max(state["step"] + 1, fits)
+        log(f"[train] {step_s:.1f} s/step: {state['total_steps']} steps fit train.max_minutes={tcfg.max_minutes}; "
+            "the learning-rate schedule ends there")
+
+
 def rng_state() -> dict:
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
@@ -182,6 +193,8 @@ def run(cfg: DictConfig) -> dict:
     head.set_vocab(vocab["d2t"], vocab["t2d"])
     head.to(device)
     head.init_from_target(target, cfg.head.get("init_from_target", True))
+    if kind == "eagle3" and cfg.head.fc_init == "last_tap":
+        head.init_fc_last_tap()
     draft_rows = target.get_output_embeddings().weight.detach()[head.draft_ids()]
 
     ds = load_dataset(cfg)
@@ -198,12 +211,15 @@ def run(cfg: DictConfig) -> dict:
     steps_per_epoch = len(micro_batches(lengths, tcfg.micro_batch_tokens, 0)) // per_step
     if steps_per_epoch == 0:
         raise ValueError(f"not enough training rows for one step of {per_step} micro-batches")
-    total_steps = tcfg.max_steps or tcfg.epochs * steps_per_epoch
+    planned_steps = tcfg.max_steps or tcfg.epochs * steps_per_epoch
+    # With a wall-clock budget the schedule is fitted to it once the warmup has been timed (kept in the
+    # checkpointed state, so a resumed run follows the same schedule).
+    state = {"step": 0, "best": -1.0, "bad_evals": 0, "history": [], "total_steps": planned_steps}
 
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_lambda(s, tcfg.warmup_steps, total_steps, tcfg.min_lr_ratio))
+        optimizer, lambda s: lr_lambda(s, tcfg.warmup_steps, state["total_steps"], tcfg.min_lr_ratio))
     ds_config = {
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": G,
         "gradient_clipping": tcfg.grad_clip, "zero_optimization": {"stage": tcfg.zero_stage},
@@ -216,12 +232,11 @@ def run(cfg: DictConfig) -> dict:
 
     fp = fingerprint(cfg, "train")
     ckpt_dir = out / "checkpoints"
-    state = {"step": 0, "best": -1.0, "bad_evals": 0, "history": []}
     latest = ckpt_dir / "latest"
     meta = ckpt_dir / latest.read_text().strip() / "client.json" if latest.exists() else None
     if meta is not None and meta.exists() and json.loads(meta.read_text())["fingerprint"] == fp:
         _, client = engine.load_checkpoint(str(ckpt_dir), load_module_strict=False)
-        state = client["state"]
+        state.update(client["state"])
         set_rng_state(client["rng"])
         log(f"[train] resumed from {meta.parent.name} (step {state['step']})")
     elif ckpt_dir.exists():
@@ -233,12 +248,12 @@ def run(cfg: DictConfig) -> dict:
 
     tracker = Tracker(cfg, "train", out / "metrics.jsonl", resume_step=state["step"])
     log(f"[train] {kind}: {sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, "
-        f"{len(train_rows)} rows, {sum(lengths)} tokens/epoch, {steps_per_epoch} steps/epoch, {total_steps} steps, "
+        f"{len(train_rows)} rows, {sum(lengths)} tokens/epoch, {steps_per_epoch} steps/epoch, {planned_steps} steps planned, "
         f"world {world} x accumulation {G}, device {device}, {dtype}")
     positions = tcfg.positions
     start = time.time()
     tokens_seen, last_log_t, last_log_tokens = 0, time.time(), 0
-    bar = progress(total=total_steps, initial=state["step"], desc=f"train {kind}", unit="step")
+    bar = progress(total=state["total_steps"], initial=state["step"], desc=f"train {kind}", unit="step")
     stop = False
 
     def evaluate(reason: str) -> None:
@@ -273,7 +288,8 @@ def run(cfg: DictConfig) -> dict:
                 shutil.rmtree(ckpt_dir / old, ignore_errors=True)
         dist.barrier()
 
-    while not stop and state["step"] < total_steps:
+    timed_from = (state["step"], time.time())
+    while not stop and state["step"] < state["total_steps"]:
         epoch, offset = divmod(state["step"], steps_per_epoch)
         order = micro_batches(lengths, tcfg.micro_batch_tokens, cfg.seed * 1000 + epoch)
         for step_in_epoch in range(offset, steps_per_epoch):
@@ -290,7 +306,11 @@ def run(cfg: DictConfig) -> dict:
                 weight += [w.flatten() for w in stats.weight]
             state["step"] += 1
             bar.update(1)
-            if state["step"] % tcfg.log_every == 0 or state["step"] == total_steps:
+            timed = state["step"] - timed_from[0]
+            if tcfg.max_minutes and not state.get("fitted") and timed == max(1, tcfg.warmup_steps):
+                fit_schedule(state, tcfg, (time.time() - timed_from[1]) / timed, time.time() - start)
+                bar.total = state["total_steps"]
+            if state["step"] % tcfg.log_every == 0 or state["step"] == state["total_steps"]:
                 now = time.time()
                 rate = (tokens_seen - last_log_tokens) * world / max(now - last_log_t, 1e-9)
                 last_log_t, last_log_tokens = now, tokens_seen
@@ -316,7 +336,7 @@ def run(cfg: DictConfig) -> dict:
             if timed_out:
                 log(f"[train] stopping at train.max_minutes={tcfg.max_minutes}")
                 stop = True
-            if stop or state["step"] >= total_steps:
+            if stop or state["step"] >= state["total_steps"]:
                 break
         if not stop and state["step"] % steps_per_epoch == 0 and state["step"] % tcfg.eval_every != 0:
             evaluate("epoch")
