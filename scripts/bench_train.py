@@ -29,7 +29,7 @@ def bench(head: str, steps: int, extra: list[str]) -> dict:
     try:
         run_stages(cfg)
         summary = json.loads((stage_dir(cfg, "train") / "summary.json").read_text())
-        return {"tokens_per_s": summary["tokens_per_s"], "wall_s": summary["wall_s"],
+        return {"tokens_per_s": summary["train_tokens_per_s"], "wall_s": summary["wall_s"],
                 "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
     finally:
         shutil.rmtree(cfg.run_dir, ignore_errors=True)
@@ -39,18 +39,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--ttt", type=int, nargs="+", default=[3, 7])
+    parser.add_argument("--micro-batch-tokens", type=int, nargs="+", default=[512, 2048])
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    jobs = [(f"eagle3 (TTT {k})", "eagle3", [f"head.ttt_steps={k}"]) for k in args.ttt]
-    jobs.append(("medusa (3 heads)", "medusa", []))
+    jobs = [(f"eagle3 TTT {k}, {mb} tok", "eagle3", [f"head.ttt_steps={k}", f"train.micro_batch_tokens={mb}"])
+            for mb in args.micro_batch_tokens for k in args.ttt]
+    jobs += [(f"medusa 3 heads, {mb} tok", "medusa", [f"train.micro_batch_tokens={mb}"]) for mb in args.micro_batch_tokens]
     rows = []
     for name, head, extra in jobs:  # one fresh process each, so peak RSS is that benchmark's own
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             rows.append((name, pool.submit(bench, head, args.steps, extra).result()))
     print(f"\n== training benchmark: smollm2-135m, {args.steps} steps each ==")
-    print(f"{'head':<18} {'tokens/s':>9} {'wall s':>8} {'peak RSS GiB':>13}")
+    print(f"{'head, micro-batch':<26} {'tokens/s':>9} {'wall s':>8} {'peak RSS GiB':>13}")
     for name, r in rows:
-        print(f"{name:<18} {r['tokens_per_s']:9.0f} {r['wall_s']:8.1f} {r['peak_rss_gib']:13.2f}")
+        print(f"{name:<26} {r['tokens_per_s']:9.0f} {r['wall_s']:8.1f} {r['peak_rss_gib']:13.2f}")
 
 
 if __name__ == "__main__":

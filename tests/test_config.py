@@ -39,7 +39,7 @@ def test_cfg_job_prints_full_config_offline_without_weights():
     out = run_cli("model=qwen2.5-7b", "head=eagle3", "--cfg", "job")
     assert out.returncode == 0, out.stderr
     printed = OmegaConf.create(out.stdout)
-    assert printed.model.hub_id == "Qwen/Qwen2.5-7B-Instruct" and printed.head.ttt_steps == 7
+    assert printed.model.hub_id == "Qwen/Qwen2.5-7B-Instruct" and printed.head.type == "eagle3"
     assert "Loading" not in out.stderr
 
 

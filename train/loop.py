@@ -91,8 +91,9 @@ class Batches:
 
 
 def compute(head, kind: str, batch: dict, draft_rows: torch.Tensor, cfg: DictConfig, positions: str,
-            noise_std: float = 0.0) -> StepStats:
-    """The head's loss on one batch; ``draft_rows`` = the target's lm_head rows of the draft vocabulary."""
+            steps: int, noise_std: float = 0.0) -> StepStats:
+    """The head's loss on one batch over ``steps`` TTT steps (EAGLE-3); ``draft_rows`` = the target's lm_head
+    rows of the draft vocabulary."""
     states = batch["states"]
     dtype = next(p for p in head.parameters() if p.requires_grad).dtype
     last = states[:, :, -1]
@@ -102,7 +103,7 @@ def compute(head, kind: str, batch: dict, draft_rows: torch.Tensor, cfg: DictCon
         if noise_std:
             taps = taps + noise_std * torch.randn_like(taps)
         return eagle3_loss(head, taps, batch["input_ids"], batch["lengths"], batch["loss_mask"], view,
-                           cfg.head.ttt_steps, cfg.head.ttt_decay, positions)
+                           steps, cfg.head.ttt_decay, positions)
     return medusa_loss(head, last.to(dtype), batch["input_ids"], batch["lengths"], batch["loss_mask"], view,
                        cfg.head.decay, positions, cfg.head.loss)
 
@@ -123,12 +124,21 @@ def summarise(correct: list[torch.Tensor], weight: list[torch.Tensor]) -> dict[s
     return out
 
 
+def val_subset(lengths: list[int], max_tokens: int | None) -> list[int]:
+    """Validation rows: all, or every k-th row (k fixed) so that about ``max_tokens`` tokens are used."""
+    k = math.ceil(sum(lengths) / max_tokens) if max_tokens else 1
+    return list(range(0, len(lengths), max(1, k)))
+
+
 @torch.no_grad()
-def validate(head, kind, cfg, batches: Batches, draft_rows, max_tokens: int) -> dict[str, float]:
+def validate(head, kind, cfg, batches: Batches, rows: list[int], draft_rows, max_tokens: int) -> dict[str, float]:
+    """Per-step accuracy and simulated/chain tau on ``rows`` of the validation split (assistant tokens)."""
     head.eval()
     correct, weight = None, None
-    for batch in micro_batches(row_lengths(batches.rows), max_tokens, 0, shuffle=False):
-        stats = compute(head, kind, batches(batch), draft_rows, cfg, "assistant")
+    lengths = row_lengths(batches.rows)
+    for batch in micro_batches([lengths[r] for r in rows], max_tokens, 0, shuffle=False):
+        stats = compute(head, kind, batches([rows[i] for i in batch]), draft_rows, cfg, "assistant",
+                        _n_steps(cfg, validation=True))
         flat_c = [c.flatten() for c in stats.correct]
         flat_w = [w.flatten() for w in stats.weight]
         correct = flat_c if correct is None else [torch.cat([a, b]) for a, b in zip(correct, flat_c, strict=True)]
@@ -195,6 +205,8 @@ def run(cfg: DictConfig) -> dict:
     head.init_from_target(target, cfg.head.get("init_from_target", True))
     if kind == "eagle3" and cfg.head.fc_init == "last_tap":
         head.init_fc_last_tap()
+    if kind == "eagle3" and not cfg.head.train_lm_head:
+        head.lm_head.requires_grad_(False)  # the target's rows, frozen (EAGLE-1 style; a third less lm_head work)
     draft_rows = target.get_output_embeddings().weight.detach()[head.draft_ids()]
 
     ds = load_dataset(cfg)
@@ -204,6 +216,7 @@ def run(cfg: DictConfig) -> dict:
     train_rows, val_rows = ds["train"], ds["validation"]
     make_train = Batches("train", train_rows, captures, target, layers, device)
     make_val = Batches("validation", val_rows, captures, target, layers, device)
+    val_rows_used = val_subset(row_lengths(val_rows), tcfg.val_tokens)
     lengths = row_lengths(train_rows)
 
     world, rank, G = dist.world_size(), dist.rank(), tcfg.grad_accum
@@ -252,12 +265,14 @@ def run(cfg: DictConfig) -> dict:
         f"world {world} x accumulation {G}, device {device}, {dtype}")
     positions = tcfg.positions
     start = time.time()
+    side_s = [0.0]  # time spent validating and checkpointing (excluded from the training throughput)
     tokens_seen, last_log_t, last_log_tokens = 0, time.time(), 0
     bar = progress(total=state["total_steps"], initial=state["step"], desc=f"train {kind}", unit="step")
     stop = False
 
     def evaluate(reason: str) -> None:
-        metrics = validate(model, kind, cfg, make_val, draft_rows, tcfg.micro_batch_tokens)
+        t0 = time.time()
+        metrics = validate(model, kind, cfg, make_val, val_rows_used, draft_rows, max(tcfg.micro_batch_tokens, 2048))
         improved = metrics["sim_tau"] > state["best"] + 1e-4
         if improved:
             state["best"], state["bad_evals"] = metrics["sim_tau"], 0
@@ -273,10 +288,12 @@ def run(cfg: DictConfig) -> dict:
         state["history"].append({"step": state["step"], "reason": reason, **metrics})
         tracker.log({f"val/{k}": v for k, v in metrics.items()}, step=state["step"])
         log(f"[train] step {state['step']} validation ({reason}): sim_tau {metrics['sim_tau']:.3f}, chain_tau "
-            f"{metrics['chain_tau']:.3f}, acc " + " ".join(f"{metrics[f'acc_{k}']:.2f}" for k in range(_n_steps(cfg)))
+            f"{metrics['chain_tau']:.3f}, acc " + " ".join(f"{metrics[f'acc_{k}']:.2f}" for k in range(_n_steps(cfg, validation=True)))
             + (" *best*" if improved else ""))
+        side_s[0] += time.time() - t0
 
     def checkpoint() -> None:
+        t0 = time.time()
         tag = f"step{state['step']:07d}"
         if dist.is_main():  # written first: `latest` only moves to this tag once DeepSpeed has saved it
             (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
@@ -287,6 +304,7 @@ def run(cfg: DictConfig) -> dict:
             for old in tags[: -tcfg.keep_checkpoints]:
                 shutil.rmtree(ckpt_dir / old, ignore_errors=True)
         dist.barrier()
+        side_s[0] += time.time() - t0
 
     timed_from = (state["step"], time.time())
     while not stop and state["step"] < state["total_steps"]:
@@ -297,7 +315,7 @@ def run(cfg: DictConfig) -> dict:
             losses, correct, weight = [], [], []
             for batch_rows in mine:
                 batch = make_train(batch_rows)
-                stats = compute(model, kind, batch, draft_rows, cfg, positions, tcfg.noise_std)
+                stats = compute(model, kind, batch, draft_rows, cfg, positions, _n_steps(cfg), tcfg.noise_std)
                 engine.backward(stats.loss)
                 engine.step()
                 tokens_seen += batch["tokens"]
@@ -348,6 +366,8 @@ def run(cfg: DictConfig) -> dict:
     best = json.loads((out / "head" / "metrics.json").read_text())
     summary = {"steps": state["step"], "best": best, "wall_s": round(elapsed, 1),
                "tokens_per_s": round(tokens_seen * world / max(elapsed, 1e-9), 1),
+               "train_tokens_per_s": round(tokens_seen * world / max(elapsed - side_s[0], 1e-9), 1),
+               "validation_checkpoint_s": round(side_s[0], 1),
                "peak_rss_gib": round(_peak_rss() / 2**30, 2), "history": state["history"],
                "config": OmegaConf.to_container(cfg.train, resolve=True)}
     if dist.is_main():
@@ -358,8 +378,11 @@ def run(cfg: DictConfig) -> dict:
     return {"head": str(out / "head"), "best": best, "steps": state["step"], "tokens_per_s": summary["tokens_per_s"]}
 
 
-def _n_steps(cfg: DictConfig) -> int:
-    return cfg.head.ttt_steps if cfg.head.type == "eagle3" else cfg.head.num_heads
+def _n_steps(cfg: DictConfig, validation: bool = False) -> int:
+    """Draft steps trained (TTT steps) or validated (``train.val_steps``: comparable across TTT depths)."""
+    if cfg.head.type != "eagle3":
+        return cfg.head.num_heads
+    return cfg.train.val_steps if validation else cfg.head.ttt_steps
 
 
 def cfg_decay(cfg: DictConfig) -> float:
