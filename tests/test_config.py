@@ -89,3 +89,9 @@ def test_default_target_gguf_equals_cached_directory(default_cfg):
         b = direct.generate(ids, max_new_tokens=16, do_sample=False)
     assert a.shape[1] == ids.shape[1] + 16 or a[0, -1].item() == tok.eos_token_id
     assert a.tolist() == b.tolist()
+
+
+def test_full_training_preset_extends_the_default():
+    default, full = make_cfg([]).train, make_cfg(["train=full"]).train
+    assert full.max_minutes is None and full.val_tokens is None and full.lr < default.lr
+    assert set(full) == set(default) and full.positions == default.positions
