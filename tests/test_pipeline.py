@@ -90,6 +90,20 @@ def test_extract_survives_kill_9(prepared, tmp_path):
     assert not list(out.glob(".*tmp*"))
 
 
+def test_zero3_extract_equals_plain_extract(prepared, tmp_path):
+    """extract.zero_stage=3 (parameters partitioned by DeepSpeed, lm_head gathered) captures the same tensors."""
+    cfg = fresh_run(prepared, tmp_path, stages=("data",))
+    proc = cli(["stages=[extract]", "extract.zero_stage=3"], tmp_path)
+    output = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, output[-3000:]
+    zero3 = Captures(stage_dir(cfg, "extract"))
+    reference = Captures(stage_dir(make_cfg([*BASE, f"output_root={prepared.parents[1]}"]), "extract"))
+    for split in ("train", "validation"):
+        assert zero3.index[split].keys() == reference.index[split].keys()
+        for r in zero3.index[split]:
+            torch.testing.assert_close(zero3.get(split, r), reference.get(split, r), rtol=1e-5, atol=1e-5)
+
+
 def test_extract_refuses_data_of_another_target(prepared, tmp_path):
     cfg = fresh_run(prepared, tmp_path, stages=("data",))
     other = make_cfg([*BASE, "model=tiny-qwen2", f"output_root={tmp_path}", f"run_dir={cfg.run_dir}", "stages=[extract]"])

@@ -139,6 +139,8 @@ def _load_model(cfg: DictConfig, device: torch.device):
         import deepspeed
         from transformers.integrations import HfDeepSpeedConfig
 
+        dist.init(device, single=True)  # DeepSpeed's engine needs a process group, even for one rank
+
         dtype = getattr(torch, cfg.extract.dtype) if device.type == "cuda" else torch.float32
         ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
                      "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16}}
@@ -146,6 +148,16 @@ def _load_model(cfg: DictConfig, device: torch.device):
         model = load_target(cfg, device, dtype)
         return deepspeed.initialize(model=model, config=ds_config)[0].module
     return load_target(cfg, device)
+
+
+def _full_weight(param: torch.Tensor, zero_stage: int) -> torch.Tensor:
+    """The whole tensor of a (possibly ZeRO-3-partitioned) parameter: a gathered copy under ZeRO-3."""
+    if zero_stage != 3:
+        return param
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([param]):
+        return param.detach().clone()
 
 
 @torch.inference_mode()
@@ -170,7 +182,7 @@ def run(cfg: DictConfig) -> dict:
     world, rank = dist.world_size(), dist.rank()
     mine = [s for i, s in enumerate(shards) if i % world == rank and s in todo]
     model = _load_model(cfg, device)
-    lm_head = model.get_output_embeddings().weight
+    lm_head = _full_weight(model.get_output_embeddings().weight, cfg.extract.zero_stage)
     # ZeRO-3 gathers parameters collectively: every rank must run the same number of forward passes.
     plans = [[b for s in shards[r::world] if s in todo for b in batches(s["rows"], lengths[s["split"]],
                                                                       cfg.extract.batch_tokens)]
