@@ -215,3 +215,18 @@ def test_time_budget_fits_the_schedule_and_stops(prepared, tmp_path):
     assert summary["steps"] < 100000 and time.time() - start < 120
     lrs = [m["lr"] for m in metrics(cfg)]
     assert lrs[-1] < 0.5 * max(lrs)  # the cosine reached its end within the budget
+
+
+def test_every_epoch_has_the_planned_number_of_micro_batches():
+    """Length grouping after a shuffle yields a seed-dependent number of micro-batches; an epoch must not
+    (a shorter epoch once crashed the default Medusa run at its end)."""
+    from train.loop import epoch_order, micro_batches
+
+    lengths = [int(x) for x in torch.randint(20, 700, (432,), generator=torch.Generator().manual_seed(0))]
+    counts = {len(micro_batches(lengths, 512, seed)) for seed in range(20)}
+    assert len(counts) > 1  # the situation the fix is for
+    n = len(micro_batches(lengths, 512, 0))
+    for seed in range(20):
+        order = epoch_order(lengths, 512, seed, n)
+        assert len(order) == n and all(len(b) * max(lengths[r] for r in b) <= 512 or len(b) == 1 for b in order)
+        assert len({r for b in order for r in b}) >= 0.95 * len(lengths)

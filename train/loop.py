@@ -56,6 +56,13 @@ def micro_batches(lengths: list[int], max_tokens: int, seed: int, shuffle: bool 
     return out
 
 
+def epoch_order(lengths: list[int], max_tokens: int, seed: int, n: int) -> list[list[int]]:
+    """Exactly ``n`` micro-batches for one epoch: grouping after a shuffle can give a few more or fewer
+    than planned, so they are cut or cycled (a resumed run counts steps the same way)."""
+    order = micro_batches(lengths, max_tokens, seed)
+    return (order * (n // len(order) + 1))[:n]
+
+
 class Batches:
     """Builds padded tensors for a list of rows of one split (from disk captures or the live target)."""
 
@@ -309,7 +316,7 @@ def run(cfg: DictConfig) -> dict:
     timed_from = (state["step"], time.time())
     while not stop and state["step"] < state["total_steps"]:
         epoch, offset = divmod(state["step"], steps_per_epoch)
-        order = micro_batches(lengths, tcfg.micro_batch_tokens, cfg.seed * 1000 + epoch)
+        order = epoch_order(lengths, tcfg.micro_batch_tokens, cfg.seed * 1000 + epoch, steps_per_epoch * per_step)
         for step_in_epoch in range(offset, steps_per_epoch):
             mine = order[step_in_epoch * per_step + rank * G: step_in_epoch * per_step + (rank + 1) * G]
             losses, correct, weight = [], [], []
