@@ -30,7 +30,6 @@ class Generation:
     tokens: list[int]                                        # new tokens (EOS included when hit)
     cycles: int = 1                                          # target passes, prefill included
     paths: list[list[int]] = field(default_factory=list)     # per verify cycle: accepted drafted nodes
-    drafted: list[int] = field(default_factory=list)         # per verify cycle: drafted nodes (0 = none)
     prefill_s: float = 0.0
     draft_s: float = 0.0                                     # drafter: propose + update
     verify_s: float = 0.0                                    # target verify pass + acceptance + KV gather
@@ -140,7 +139,6 @@ class SpecDecoder:
             logits, hidden = self.verify(cache, ids[-1], tree, layers)
             path, bonus = accept(tree, logits, sampling, typical)
             out.paths.append(path)
-            out.drafted.append(len(tree.tokens))
             out.cycles += 1
             done = self._commit(ids, [tree.tokens[i - 1] for i in path] + [bonus], max_new_tokens, len(prompt))
             rows = [0, *path]
