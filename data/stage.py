@@ -36,7 +36,7 @@ from data.template import check_template, tokenize_conversation, with_system
 from data.vocab import build_vocab, coverage, coverage_curve
 from train.log import log, progress
 from train.stages import stage_dir
-from train.target import load_target, load_tokenizer, target_fingerprint, tokenizer_fingerprint
+from train.target import load_config, load_target, load_tokenizer, target_fingerprint, tokenizer_fingerprint
 
 SPLITS = ("train", "validation")
 
@@ -126,7 +126,9 @@ def run(cfg: DictConfig) -> dict:
             "data.regenerate=true; check data.sources, data.max_length and data.overflow."
         )
 
-    vocab_size = len(tokenizer)
+    # Keyed on the model's vocabulary (its embedding rows), which padded vocabularies (Qwen2.5, Qwen3) make
+    # larger than the tokenizer: heads, exports and engines all use the model's size.
+    vocab_size = model_vocab_size(cfg, tokenizer)
     tally = {}
     for split in SPLITS:
         masked, every = torch.zeros(vocab_size, dtype=torch.long), torch.zeros(vocab_size, dtype=torch.long)
@@ -174,6 +176,16 @@ def run(cfg: DictConfig) -> dict:
         f"({stats['masked_tokens']['train']} assistant), validation {len(rows['validation'])} rows; "
         f"draft vocab {d2t.numel()} covers {stats['vocab_coverage']['validation']:.2%} of held-out answer tokens")
     return {"stats": str(out / "stats.json"), **{k: stats[k] for k in ("rows_kept", "tokens", "vocab_coverage")}}
+
+
+def model_vocab_size(cfg: DictConfig, tokenizer) -> int:
+    """The target's ``config.vocab_size``; every tokenizer id must be below it."""
+    config = load_config(cfg)
+    size = getattr(config, "text_config", config).vocab_size
+    if len(tokenizer) > size:
+        raise DataError(f"the tokenizer has {len(tokenizer)} tokens but the model only {size} embedding rows: "
+                        "they do not belong together (check model.path / model.hub_id)")
+    return size
 
 
 def _to_datasets(rows: dict[str, list[dict]]):

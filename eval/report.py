@@ -1,4 +1,9 @@
-"""Aggregating per-prompt decode records into the eval report: results, recommendations, Markdown, plots."""
+"""Aggregating per-prompt decode records into the eval report: results, recommendations, Markdown, plots.
+
+Greedy losslessness is reported, not assumed: per method the share of prompts whose output departs from
+plain decoding, where (tokens matched first), and how many of those first divergences the float32
+target calls a near-tie (numerical: bf16 rounding flipped an argmax) or a real mismatch (a decoder bug,
+which excludes the method from the recommendations)."""
 
 from __future__ import annotations
 
@@ -8,12 +13,27 @@ from pathlib import Path
 from eval.drafters import METHODS
 
 RESULT_KEYS = ("dataset", "category", "method", "temperature", "n_prompts", "new_tokens", "cycles", "tau",
-               "tokens_per_s", "plain_tokens_per_s", "speedup", "draft_time_share", "identical_to_plain")
+               "tokens_per_s", "plain_tokens_per_s", "speedup", "draft_time_share", "identical_to_plain",
+               "divergence_rate", "divergence_position", "ties", "mismatches")
+
+
+def divergence_stats(records: list[dict]) -> dict:
+    """Over greedy records: identical_to_plain, divergence_rate (share of prompts that diverged),
+    divergence_position (mean tokens matched before the first divergence; None without any), ties and
+    mismatches (counts of first divergences by their fp32 kind). All None for sampled records."""
+    if records[0]["temperature"] != 0:
+        return dict.fromkeys(("identical_to_plain", "divergence_rate", "divergence_position", "ties", "mismatches"))
+    divs = [r["divergence"] for r in records if r["divergence"]]
+    kinds = [d["kind"] for d in divs]
+    return {"identical_to_plain": not divs, "divergence_rate": len(divs) / len(records),
+            "divergence_position": sum(d["position"] for d in divs) / len(divs) if divs else None,
+            "ties": kinds.count("tie"), "mismatches": kinds.count("mismatch")}
 
 
 def aggregate(records: list[dict]) -> list[dict]:
     """One row per dataset x category (and "all") x method x temperature. Records are per prompt:
-    dataset, category, method, temperature, new_tokens, cycles, wall_s, draft_s, identical, acceptance."""
+    dataset, category, method, temperature, new_tokens, cycles, wall_s, draft_s, divergence (None or
+    {position, kind, ...}; greedy only), acceptance."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         for category in (r["category"], "all"):
@@ -33,32 +53,48 @@ def aggregate(records: list[dict]) -> list[dict]:
             "n_prompts": len(rs), "new_tokens": tokens, "cycles": sum(r["cycles"] for r in rs),
             "tau": tokens / sum(r["cycles"] for r in rs),
             "tokens_per_s": tps, "plain_tokens_per_s": plain_tps, "speedup": tps / plain_tps,
-            "draft_time_share": sum(r["draft_s"] for r in rs) / wall,
-            "identical_to_plain": all(r["identical"] for r in rs) if temperature == 0 else None,
+            "draft_time_share": sum(r["draft_s"] for r in rs) / wall, **divergence_stats(rs),
             "acceptance": rs[0]["acceptance"],
         })
     return rows
 
 
 def recommend(results: list[dict], min_speedup: float) -> list[dict]:
-    """Per dataset x category x temperature: the fastest lossless method (exact acceptance, and at
-    temperature 0 identical to plain decoding) when it beats plain decoding by at least ``min_speedup``,
-    else none (deploy plain decoding)."""
+    """Per dataset x category x temperature: the fastest lossless method when it beats plain decoding by
+    at least ``min_speedup``, else none (deploy plain decoding). Lossless = exact acceptance and, at
+    temperature 0, no real mismatch with plain decoding: identical, or diverging only at fp32 near-ties
+    (then the reason states the share of prompts that diverged). Methods with mismatches are named."""
     candidates: dict[tuple, list[dict]] = {}
+    bugs: dict[tuple, list[str]] = defaultdict(list)
     for r in results:
-        group = candidates.setdefault((r["dataset"], r["category"], r["temperature"]), [])
-        if r["method"] != "plain" and r["acceptance"] == "exact" and r["identical_to_plain"] is not False:
+        key = (r["dataset"], r["category"], r["temperature"])
+        group = candidates.setdefault(key, [])
+        if r["mismatches"]:
+            bugs[key].append(r["method"])
+        elif r["method"] != "plain" and r["acceptance"] == "exact":
             group.append(r)
     out = []
-    for (dataset, category, temperature), rows in candidates.items():
+    for key, rows in candidates.items():
+        dataset, category, temperature = key
         best = max(rows, key=lambda r: r["speedup"], default=None)
         good = best is not None and best["speedup"] >= min_speedup
         reason = (f"{best['speedup']:.2f}x over plain" if good else f"nothing beats plain decoding by {min_speedup:.2f}x"
                   + (f" (best: {best['method']} {best['speedup']:.2f}x)" if best else ""))
+        if good and best["divergence_rate"]:
+            reason += (f"; lossless up to low-precision near-ties: {best['divergence_rate']:.1%} of prompts "
+                       "diverged from plain decoding at an fp32 near-tie")
+        if bugs[key]:
+            reason += f"; EXCLUDED as decoder bugs (real mismatches with plain decoding): {', '.join(bugs[key])}"
         out.append({"dataset": dataset, "category": category, "temperature": temperature,
                     "method": best["method"] if good else None, "speedup": best["speedup"] if best else None,
                     "tau": best["tau"] if best else None, "reason": reason})
     return out
+
+
+def decoder_bugs(results: list[dict]) -> list[dict]:
+    """The (dataset, method, temperature) rows over all categories with real mismatches."""
+    return [{k: r[k] for k in ("dataset", "method", "temperature", "n_prompts", "mismatches", "divergence_position")}
+            for r in results if r["category"] == "all" and r["mismatches"]]
 
 
 def _fmt(value) -> str:
@@ -105,10 +141,19 @@ def markdown(report: dict) -> str:
         lines += [f"### {dataset}, temperature {temperature}", ""]
         rows = [[r["category"], r["method"] + ("" if r["acceptance"] == "exact" else " (LOSSY)"), r["n_prompts"],
                  r["tau"], r["tokens_per_s"], r["plain_tokens_per_s"], r["speedup"], r["draft_time_share"],
-                 r["identical_to_plain"]]
+                 None if r["divergence_rate"] is None else f"{r['divergence_rate']:.1%}",
+                 r["divergence_position"], r["ties"], r["mismatches"]]
                 for r in report["results"] if r["dataset"] == dataset and r["temperature"] == temperature]
         lines += _table(["category", "method", "prompts", "tau", "tok/s", "plain tok/s", "speedup", "draft share",
-                         "identical"], rows) + [""]
+                         "diverged", "tokens before", "ties", "mismatches"], rows) + [""]
+    lines += ["Greedy only: diverged = share of prompts whose output departs from plain decoding; tokens before = "
+              "mean tokens matched before the first divergence; the target re-scores that position in float32: a "
+              "tie is a numerical near-tie (low precision flipped an argmax), a mismatch a decoder bug.", ""]
+    if report.get("decoder_bugs"):
+        lines += ["## DECODER BUGS", "", "**These methods depart from plain greedy decoding where the float32 target "
+                  "has a clear argmax: not lossless, excluded from the recommendations.**", ""]
+        lines += [f"- {b['dataset']} / T={b['temperature']}: **{b['method']}**, {b['mismatches']} of {b['n_prompts']} "
+                  f"prompts" for b in report["decoder_bugs"]] + [""]
     lines += ["## Recommendation", ""]
     for rec in report["recommendations"]:
         verdict = f"deploy **{rec['method']}**" if rec["method"] else "**plain decoding** (no speculation)"

@@ -3,11 +3,14 @@
 Reads ``<run_dir>/train/head/``; writes into ``<run_dir>/eval/``: ``report.json`` (schema in
 :func:`run`), ``report.md``, ``records.jsonl`` (one line per prompt x method x temperature) and PNG plots.
 Plain decoding and every method run in the same process, prompt by prompt, so machine noise hits
-both; at temperature 0 every method must reproduce plain greedy decoding token for token.
+both; at temperature 0 every method must reproduce plain greedy decoding token for token. Where it does
+not (in bf16 a tree verify and a one-token step round differently, so near-tie argmaxes can flip), the
+first divergence is re-scored by the target in float32: a "tie" is numerical, a "mismatch" a decoder bug.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from itertools import chain
 
@@ -18,7 +21,7 @@ from data.template import prompt_ids, with_system
 from eval.decoder import Generation, SpecDecoder
 from eval.drafters import Drafter, Eagle3Drafter, build_drafter, medusa_choices
 from eval.prompts import EvalPrompt, calibration_prompts, load_prompts
-from eval.report import aggregate, log_wandb, markdown, plot, recommend
+from eval.report import aggregate, decoder_bugs, log_wandb, markdown, plot, recommend
 from eval.treesize import acceptance_curve, choose_total_tokens, draft_times, measure_verify_time
 from heads.io import head_type, load_head
 from train.log import log, progress
@@ -40,17 +43,81 @@ def resolve_methods(methods, kind: str) -> list[str]:
     return ["plain", *[m for m in methods if m != "plain"]]
 
 
+def turn_prompt(tokenizer, prompt: EvalPrompt, cfg: DictConfig, answers: list[list[int]]) -> list[int]:
+    """Token ids that turn ``len(answers)`` of ``prompt`` continues: the system prompt, the earlier user
+    turns each followed by its answer (decoded), the next user turn and the assistant header."""
+    messages = with_system([], cfg.data.system_prompt)
+    for turn, answer in zip(prompt.turns, answers, strict=False):
+        messages = [*messages, {"role": "user", "content": turn},
+                    {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}]
+    return prompt_ids(tokenizer, [*messages, {"role": "user", "content": prompt.turns[len(answers)]}])
+
+
 def converse(decoder: SpecDecoder, drafter: Drafter, tokenizer, prompt: EvalPrompt, cfg: DictConfig,
              temperature: float, seed: int, typical: bool = False) -> list[Generation]:
     """Answer every turn of ``prompt`` in order, feeding back the model's own answers."""
-    messages, gens = with_system([], cfg.data.system_prompt), []
-    for turn in prompt.turns:
-        messages.append({"role": "user", "content": turn})
-        gen = decoder.generate(prompt_ids(tokenizer, messages), drafter, cfg.eval.max_new_tokens, temperature,
-                               cfg.eval.top_p, seed + len(gens), typical)
-        messages.append({"role": "assistant", "content": tokenizer.decode(gen.tokens, skip_special_tokens=True)})
-        gens.append(gen)
+    gens: list[Generation] = []
+    for _ in prompt.turns:
+        gens.append(decoder.generate(turn_prompt(tokenizer, prompt, cfg, [g.tokens for g in gens]), drafter,
+                                     cfg.eval.max_new_tokens, temperature, cfg.eval.top_p, seed + len(gens), typical))
     return gens
+
+
+def first_divergence(plain: list[list[int]], other: list[list[int]]) -> tuple[int, int, int] | None:
+    """Where ``other`` (tokens per turn) first departs from ``plain``: (turn, index in that turn, index in
+    the whole output = tokens matched before it); None when identical. One output ending before the other
+    diverges at the shorter one's length."""
+    offset = 0
+    for turn, (a, b) in enumerate(zip(plain, other, strict=True)):
+        i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        if i < max(len(a), len(b)):
+            return turn, i, offset + i
+        offset += len(a)
+    return None
+
+
+def classify_divergence(logits: torch.Tensor, plain_token: int | None, method_token: int | None,
+                        tolerance: float) -> tuple[str, float | None]:
+    """Judge a divergence from the target's float32 next-token ``logits`` at its position: returns (kind,
+    gap), gap = logit[plain_token] - logit[method_token]. ``tie`` (numerical: a low-precision argmax may
+    flip) when |gap| <= tolerance * max(1, |logit[plain_token]|, |logit[method_token]|), else ``mismatch``
+    (a decoder bug); a length difference (a token is None) is always a mismatch."""
+    if plain_token is None or method_token is None:
+        return "mismatch", None
+    a, b = float(logits[plain_token]), float(logits[method_token])
+    return ("tie" if abs(a - b) <= tolerance * max(1.0, abs(a), abs(b)) else "mismatch"), a - b
+
+
+class Fp32Scorer:
+    """The target's float32 next-token logits after a token prefix. A target running in lower precision
+    is copied and upcast on the first call (only divergences pay for it: one more fp32 copy in memory)."""
+
+    def __init__(self, target):
+        self.target, self.model = target, None
+
+    @torch.inference_mode()
+    def __call__(self, ids: list[int]) -> torch.Tensor:
+        if self.model is None:
+            fp32 = self.target.dtype == torch.float32
+            self.model = self.target if fp32 else copy.deepcopy(self.target).float().eval()
+        ids_t = torch.tensor([ids], device=next(self.model.parameters()).device)
+        return self.model(ids_t, logits_to_keep=1).logits[0, -1].float()
+
+
+def divergence(scorer: Fp32Scorer, tokenizer, prompt: EvalPrompt, cfg: DictConfig, plain: list[list[int]],
+               other: list[list[int]]) -> dict | None:
+    """None when ``other`` reproduces ``plain`` (tokens per turn); else its first divergence: {position
+    (tokens matched before it), turn, plain_token, method_token, fp32_gap, kind: tie | mismatch}, judged
+    by :func:`classify_divergence` on one fp32 forward of the common prefix."""
+    where = first_divergence(plain, other)
+    if where is None:
+        return None
+    turn, i, position = where
+    context = turn_prompt(tokenizer, prompt, cfg, plain[:turn]) + plain[turn][:i]
+    tokens = [seq[turn][i] if i < len(seq[turn]) else None for seq in (plain, other)]
+    kind, gap = classify_divergence(scorer(context), *tokens, cfg.eval.tie_tolerance)
+    return {"position": position, "turn": turn, "plain_token": tokens[0], "method_token": tokens[1],
+            "fp32_gap": gap, "kind": kind}
 
 
 def context_ids(tokenizer, prompts: list[EvalPrompt], length: int) -> list[int]:
@@ -90,9 +157,11 @@ def size_tree(cfg: DictConfig, decoder: SpecDecoder, head, tokenizer) -> dict:
 
 
 def evaluate(cfg: DictConfig, decoder: SpecDecoder, drafters: dict[str, Drafter], tokenizer,
-             prompts: list[EvalPrompt], temperature: float) -> list[dict]:
+             prompts: list[EvalPrompt], temperature: float, scorer: Fp32Scorer | None = None) -> list[dict]:
     """Per prompt: plain, then every method (rotating their order); the first ``eval.warmup`` prompts are
-    decoded once untimed first. Returns one record per prompt x method."""
+    decoded once untimed first. Returns one record per prompt x method; at temperature 0 with its first
+    divergence from plain decoding (:func:`divergence`), a real mismatch logged as a decoder bug."""
+    scorer = scorer or Fp32Scorer(decoder.target)
     methods = [m for m in drafters if m != "plain"]
     typical = {m: bool(cfg.eval.typical_acceptance) and m.startswith("medusa") for m in drafters}
     warm = prompts[: cfg.eval.warmup]
@@ -110,6 +179,11 @@ def evaluate(cfg: DictConfig, decoder: SpecDecoder, drafters: dict[str, Drafter]
             continue
         plain = [g.tokens for g in outputs["plain"]]
         for method, gens in outputs.items():
+            div = divergence(scorer, tokenizer, prompt, cfg, plain, [g.tokens for g in gens]) if temperature == 0 else None
+            if div and div["kind"] == "mismatch":
+                log(f"[eval] DECODER BUG: {method} departs from plain decoding on {prompt.dataset}/{prompt.id} after "
+                    f"{div['position']} tokens: {div['method_token']} instead of {div['plain_token']} "
+                    f"(fp32 logit gap {div['fp32_gap']})")
             records.append({
                 "dataset": prompt.dataset, "category": prompt.category, "id": prompt.id, "method": method,
                 "temperature": temperature, "turns": len(gens),
@@ -117,7 +191,7 @@ def evaluate(cfg: DictConfig, decoder: SpecDecoder, drafters: dict[str, Drafter]
                 "wall_s": sum(g.wall_s for g in gens), "draft_s": sum(g.draft_s for g in gens),
                 "verify_s": sum(g.verify_s for g in gens), "prefill_s": sum(g.prefill_s for g in gens),
                 "accept_lengths": [n for g in gens for n in g.accept_lengths],
-                "identical": [g.tokens for g in gens] == plain if temperature == 0 else None,
+                "identical": div is None if temperature == 0 else None, "divergence": div,
                 "acceptance": "typical (lossy)" if typical[method] and temperature > 0 else "exact",
             })
     bar.close()
@@ -132,7 +206,8 @@ def run(cfg: DictConfig) -> dict:
     """Writes report.json = {target, head, device, dtype, cpu_threads, head_params, head_extra_memory_mb,
     target_params, target_memory_mb, tree, results: [{dataset, category, method, temperature, n_prompts,
     new_tokens, cycles, tau, tokens_per_s, plain_tokens_per_s, speedup, draft_time_share,
-    identical_to_plain, acceptance}], recommendations}, report.md, records.jsonl and plots."""
+    identical_to_plain, divergence_rate, divergence_position, ties, mismatches, acceptance}],
+    recommendations, decoder_bugs}, report.md, records.jsonl and plots (fields: eval/report.py)."""
     require(cfg, "train")
     if cfg.eval.num_threads:
         torch.set_num_threads(cfg.eval.num_threads)
@@ -153,8 +228,9 @@ def run(cfg: DictConfig) -> dict:
     methods = resolve_methods(OmegaConf.to_container(cfg.eval.methods) if OmegaConf.is_config(cfg.eval.methods)
                               else cfg.eval.methods, kind)
     drafters = {m: build_drafter(m, head, target.config.num_hidden_layers, ecfg) for m in methods}
+    scorer = Fp32Scorer(target)
     records = [r for temperature in cfg.eval.temperatures
-               for r in evaluate(cfg, decoder, drafters, tokenizer, prompts, float(temperature))]
+               for r in evaluate(cfg, decoder, drafters, tokenizer, prompts, float(temperature), scorer)]
     results = aggregate(records)
     report = {
         "target": cfg.model.name, "head": kind, "device": str(target.device), "dtype": str(target.dtype),
@@ -164,6 +240,7 @@ def run(cfg: DictConfig) -> dict:
         "target_params": sum(p.numel() for p in target.parameters()),
         "target_memory_mb": _mb(chain(target.parameters(), target.buffers())),
         "tree": tree, "results": results, "recommendations": recommend(results, cfg.eval.min_speedup),
+        "decoder_bugs": decoder_bugs(results),
     }
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(markdown(report))
@@ -171,6 +248,9 @@ def run(cfg: DictConfig) -> dict:
     images = plot(results, records, out)
     if cfg.tracking.backend == "wandb":
         log_wandb(cfg, report, images)
+    for bug in report["decoder_bugs"]:
+        log(f"[eval] DECODER BUG: {bug['method']} on {bug['dataset']}: {bug['mismatches']} of {bug['n_prompts']} "
+            "prompts depart from plain decoding where fp32 is not a near-tie; excluded from recommendations")
     for rec in report["recommendations"]:
         if rec["category"] == "all":
             log(f"[eval] {rec['dataset']} T={rec['temperature']}: {rec['method'] or 'plain decoding'} ({rec['reason']})")

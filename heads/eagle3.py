@@ -17,7 +17,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from heads.frozen import TargetWeights
 from heads.vocab import DraftVocab
 
 
@@ -69,6 +71,10 @@ class Eagle3Config:
         # Index n is HF's post-norm final state, while engines read the pre-norm residual there: not allowed.
         if len(cfg.aux_layers) != 3 or not all(0 <= i < n for i in cfg.aux_layers):
             raise ValueError(f"head.aux_layers must be 3 hidden_states indices in [0, {n - 1}], got {cfg.aux_layers}")
+        # Engines concatenate the taps in ascending layer order: any other order is a silently wrong export.
+        if cfg.aux_layers != sorted(set(cfg.aux_layers)):
+            raise ValueError(f"head.aux_layers must be ascending and distinct, got {cfg.aux_layers} (a target with "
+                             f"{n} layers gives default taps [2, {n // 2}, {n - 3}]: it needs at least 7 layers)")
         if cfg.hidden_size != cfg.target_hidden_size:
             raise ValueError("head.hidden_size must equal the target's hidden size: the head uses the target's "
                              f"embedding ({cfg.target_hidden_size} wide), got {cfg.hidden_size}")
@@ -101,30 +107,55 @@ class TTTCache:
 
     Step 0: causal attention over the sequence (right padding needs no extra mask). Step k > 0: row t
     attends to step-0 keys [0..t] plus the keys of row t of steps 1..k (a diagonal), in one softmax.
+
+    Memory: step k > 0 never materialises [B, heads, T, T] scores. Its query rows go in chunks of
+    ``chunk_rows`` (default: as many as keep one chunk's scores near ``score_budget`` elements); a chunk
+    ending at row e scores step-0 keys [0..e) (causal mask) and its rows' diagonal keys in one fp32
+    softmax -- the same math as one masked [T, T + k] softmax, keys past e being masked for all its rows.
+    Each chunk runs under ``torch.utils.checkpoint``: autograd keeps only its inputs and output and
+    recomputes the chunk's scores in backward, so peak memory is O(chunk_rows x T), not O(T^2) per step.
+    GQA: query heads are grouped per kv head ([B, kv_heads, groups, ...]), keys are never repeated.
     """
 
-    def __init__(self):
+    score_budget = 2**26  # elements of one chunk's score tensor [B, heads, rows, keys]
+
+    def __init__(self, chunk_rows: int | None = None):
         self.k0 = self.v0 = None
         self.diag: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.chunk_rows = chunk_rows
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.k0 is None:
             self.k0, self.v0 = k, v
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         self.diag.append((k, v))
-        groups = q.shape[1] // k.shape[1]
-        k0, v0 = self.k0.repeat_interleave(groups, 1), self.v0.repeat_interleave(groups, 1)
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        T = q.shape[2]
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        s0 = (q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))
-        sd = torch.stack([(q * kj.repeat_interleave(groups, 1)).sum(-1) for kj, _ in self.diag], -1) * scale
-        scores = torch.cat([s0, sd], -1)
-        p = torch.softmax(scores, -1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
-        out = p[..., :T] @ v0
-        for j, (_, vj) in enumerate(self.diag):
-            out = out + p[..., T + j, None] * vj.repeat_interleave(groups, 1)
-        return out
+        B, H, T, _ = q.shape
+        qg = q.unflatten(1, (k.shape[1], H // k.shape[1]))              # [B, kv, groups, T, d]
+        dk = torch.stack([kj for kj, _ in self.diag], 3)                 # [B, kv, T, steps, d]
+        dv = torch.stack([vj for _, vj in self.diag], 3)
+        rows = self.chunk_rows or max(64, self.score_budget // (B * H * T))
+        out = []
+        for s in range(0, T, rows):
+            e = min(s + rows, T)
+            args = (qg[:, :, :, s:e], self.k0[:, :, :e], self.v0[:, :, :e], dk[:, :, s:e], dv[:, :, s:e])
+            if torch.is_grad_enabled():
+                out.append(checkpoint(_ttt_chunk, *args, use_reentrant=False))
+            else:
+                out.append(_ttt_chunk(*args))
+        return torch.cat(out, 3).flatten(1, 2)
+
+
+def _ttt_chunk(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
+    """Rows [e - C, e) of a TTT step k > 0. q [B, kv, groups, C, d]; k0/v0 [B, kv, e, d] (step-0 keys up
+    to the chunk's last row); dk/dv [B, kv, C, k, d] (each row's diagonal keys). Returns [B, kv, groups, C, d]."""
+    C, e = q.shape[3], k0.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    causal = torch.arange(e, device=q.device) <= torch.arange(e - C, e, device=q.device)[:, None]
+    s0 = torch.einsum("bngcd,bnkd->bngck", q, k0).mul_(scale).masked_fill_(~causal, float("-inf"))
+    sd = torch.einsum("bngcd,bncjd->bngcj", q, dk) * scale
+    scores = torch.cat([s0, sd], -1)
+    p = torch.softmax(scores, -1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
+    return torch.einsum("bngck,bnkd->bngcd", p[..., :e], v0) + torch.einsum("bngcj,bncjd->bngcd", p[..., e:], dv)
 
 
 class KVCache:
@@ -226,11 +257,13 @@ class Eagle3Head(DraftVocab):
     @torch.no_grad()
     def init_from_target(self, target, from_lm_head: bool = True) -> None:
         """Copy the target's embedding (always) and, optionally, its final norm and the lm_head rows
-        of the draft vocabulary (a strong start when data is small)."""
-        self.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        of the draft vocabulary (a strong start when data is small). ``target``: a model or
+        :class:`~heads.frozen.TargetWeights`."""
+        weights = TargetWeights.of(target)
+        self.embed_tokens.weight.copy_(weights.embed)
         if from_lm_head:
-            self.lm_head.weight.copy_(target.get_output_embeddings().weight[self.draft_ids()])
-            self.norm.weight.copy_(target.get_decoder().norm.weight)
+            self.lm_head.weight.copy_(weights.lm_head[self.draft_ids().to(weights.lm_head.device)])
+            self.norm.weight.copy_(weights.norm)
 
     @torch.no_grad()
     def init_fc_last_tap(self) -> None:

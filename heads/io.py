@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from heads.eagle3 import Eagle3Config, Eagle3Head
+from heads.frozen import TargetWeights
 from heads.medusa import MedusaConfig, MedusaHead
 
 KINDS = {"eagle3": (Eagle3Config, Eagle3Head), "medusa": (MedusaConfig, MedusaHead)}
@@ -46,8 +47,9 @@ def save_head(head: nn.Module, path: str | Path) -> None:
     (path / "head_config.json").write_text(json.dumps(meta, indent=2))
 
 
-def load_head(path: str | Path, target: nn.Module | None = None) -> nn.Module:
-    """Rebuild a saved head; with ``target``, copy the target's embedding into an EAGLE-3 head."""
+def load_head(path: str | Path, target=None) -> nn.Module:
+    """Rebuild a saved head; with ``target`` (a model or :class:`TargetWeights`), copy the target's
+    embedding into an EAGLE-3 head."""
     path = Path(path)
     meta = json.loads((path / "head_config.json").read_text())
     config_cls, _ = KINDS[meta["type"]]
@@ -58,5 +60,5 @@ def load_head(path: str | Path, target: nn.Module | None = None) -> nn.Module:
         raise ValueError(f"{path}: head checkpoint does not match its config: missing={missing}, unexpected={unexpected}")
     if target is not None and isinstance(head, Eagle3Head):
         with torch.no_grad():
-            head.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+            head.embed_tokens.weight.copy_(TargetWeights.of(target).embed)
     return head.eval()

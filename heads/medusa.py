@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from heads.frozen import TargetWeights
 from heads.vocab import DraftVocab
 
 
@@ -61,7 +62,8 @@ class MedusaHead(DraftVocab):
     def init_from_target(self, target, from_lm_head: bool = True) -> None:
         """Each lm_head starts as the target's head restricted to the draft vocabulary."""
         if from_lm_head:
-            rows = target.get_output_embeddings().weight[self.draft_ids()]
+            lm_head = TargetWeights.of(target).lm_head
+            rows = lm_head[self.draft_ids().to(lm_head.device)]
             for head in self.lm_heads:
                 head.weight.copy_(rows)
 

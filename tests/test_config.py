@@ -94,4 +94,4 @@ def test_default_target_gguf_equals_cached_directory(default_cfg):
 def test_full_training_preset_extends_the_default():
     default, full = make_cfg([]).train, make_cfg(["train=full"]).train
     assert full.max_minutes is None and full.val_tokens is None and full.lr < default.lr
-    assert set(full) == set(default) and full.positions == default.positions
+    assert set(full) == set(default) and full.positions == "assistant"

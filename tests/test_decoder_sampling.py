@@ -25,9 +25,9 @@ PROMPT = [1, 4, 2]
 
 @pytest.fixture(scope="module")
 def target():
-    """A 2-layer Llama over 6 tokens with peaked (large) random weights."""
+    """A 3-layer Llama over 6 tokens with peaked (large) random weights."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
                          bos_token_id=None, eos_token_id=None, pad_token_id=None)
     model = LlamaForCausalLM(config).eval()
@@ -105,7 +105,7 @@ def sample(decoder: SpecDecoder, drafter, temperature: float, top_p: float) -> l
 
 
 def eagle3_chain(target) -> Eagle3Drafter:
-    head_cfg = OmegaConf.create({"aux_layers": [0, 1, 1], "draft_vocab_size": VOCAB})
+    head_cfg = OmegaConf.create({"aux_layers": [0, 1, 2], "draft_vocab_size": VOCAB})
     head = random_head("eagle3", target, head_cfg, torch.arange(VOCAB), seed=3)
     return Eagle3Drafter(head, "chain", chain_k=2)
 

@@ -1,20 +1,36 @@
 """End-to-end eval stage on a tiny target: a random head saved where the train stage leaves it (by a
-stand-in train stage run through the real stage runner), then the eval stage; the report is checked."""
+stand-in train stage run through the real stage runner), then the eval stage; the report is checked.
+Also greedy honesty: the first divergence from plain decoding, its fp32 tie/mismatch classification
+on a tiny target, and how divergences shape the results and the recommendation."""
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import types
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import train.stages as stages
 from eval.bench import random_head
-from eval.report import RESULT_KEYS
+from eval.decoder import SpecDecoder
+from eval.drafters import PlainDrafter
+from eval.prompts import EvalPrompt
+from eval.report import RESULT_KEYS, aggregate, decoder_bugs, markdown, recommend
+from eval.stage import (
+    Fp32Scorer,
+    classify_divergence,
+    converse,
+    divergence,
+    eos_token_ids,
+    first_divergence,
+    turn_prompt,
+)
 from heads.io import save_head
-from train.target import load_target
+from train.target import load_target, load_tokenizer
 
 REPORT_KEYS = {"target", "head", "device", "dtype", "head_params", "head_extra_memory_mb", "target_params",
                "tree", "results", "recommendations"}
@@ -74,6 +90,9 @@ def test_eval_stage_end_to_end(cfg_factory, tmp_path, monkeypatch, kind):
         assert r["tau"] == pytest.approx(r["new_tokens"] / r["cycles"])
         assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["plain_tokens_per_s"])
         assert r["identical_to_plain"] is (True if r["temperature"] == 0 else None), r
+        greedy = r["temperature"] == 0     # fp32 on CPU: no divergence at all
+        assert (r["divergence_rate"], r["divergence_position"], r["ties"], r["mismatches"]) == (
+            (0.0, None, 0, 0) if greedy else (None, None, None, None)), r
         if r["method"] == "plain":
             assert r["tau"] == 1.0 and r["speedup"] == 1.0
     assert all(r["n_prompts"] == (1 if r["dataset"] == "mt_mini" else 2) for r in results if r["category"] == "all")
@@ -82,12 +101,154 @@ def test_eval_stage_end_to_end(cfg_factory, tmp_path, monkeypatch, kind):
     assert {(r["dataset"], r["category"], r["temperature"]) for r in report["recommendations"]} == {
         (r["dataset"], r["category"], r["temperature"]) for r in results}
 
-    assert "## Recommendation" in (out / "report.md").read_text()
+    assert report["decoder_bugs"] == [] and all("diverged" not in rec["reason"] for rec in report["recommendations"])
+    md = (out / "report.md").read_text()
+    assert "## Recommendation" in md and "| mismatches |" in md and "DECODER BUGS" not in md
     pngs = {p.name for p in out.glob("*.png")}
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert all(r["divergence"] is None and r["identical"] is (True if r["temperature"] == 0 else None)
+               for r in records)
     if kind == "eagle3":
-        records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
         assert {r["turns"] for r in records if r["dataset"] == "mt_mini"} == {2}    # both turns answered
         assert pngs == {"speedup_T0.0.png", "speedup_T1.0.png", "accept_hist_T0.0.png", "accept_hist_T1.0.png"}
     else:
         assert pngs == {"speedup_T0.0.png", "accept_hist_T0.0.png"}
         assert list((tmp_path / "tiny-llama" / "medusa" / "wandb").glob("offline-run-*"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Greedy honesty: first divergence, fp32 near-tie vs real mismatch
+
+
+def test_first_divergence():
+    plain = [[1, 2, 3], [4, 5, 6, 7]]
+    assert first_divergence(plain, [[1, 2, 3], [4, 5, 6, 7]]) is None
+    assert first_divergence(plain, [[1, 9, 3], [4, 5, 6, 7]]) == (0, 1, 1)
+    assert first_divergence(plain, [[1, 2, 3], [4, 5, 8]]) == (1, 2, 5)      # 3 + 2 tokens matched first
+    assert first_divergence(plain, [[1, 2, 3], [4, 5]]) == (1, 2, 5)         # stopped early
+    assert first_divergence(plain, [[1, 2, 3, 0], [4]]) == (0, 3, 3)         # went on longer
+
+
+def test_classify_divergence_from_logits():
+    logits = torch.tensor([10.0, 9.9, 9.0, -10.0])
+    assert classify_divergence(logits, 0, 1, 0.02) == ("tie", pytest.approx(0.1, abs=1e-5))   # 0.1 <= 0.02 * 10
+    assert classify_divergence(logits, 0, 2, 0.02) == ("mismatch", pytest.approx(1.0, abs=1e-5))
+    assert classify_divergence(logits, 1, 0, 0.02)[0] == "tie"                          # symmetric
+    assert classify_divergence(logits, 0, 1, 0.005)[0] == "mismatch"                    # tolerance matters
+    small = torch.tensor([0.01, 0.0, -0.05])     # |logits| < 1: absolute tolerance
+    assert classify_divergence(small, 0, 1, 0.02)[0] == "tie" and classify_divergence(small, 0, 2, 0.02)[0] == "mismatch"
+    assert classify_divergence(logits, 0, None, 0.02) == ("mismatch", None)              # a length difference
+
+
+@pytest.fixture(scope="module")
+def tiny_plain(tiny_llama_cfg):
+    """A tiny fp32 target, a 2-turn prompt and its plain greedy answers (12 tokens a turn)."""
+    cfg = OmegaConf.merge(tiny_llama_cfg, {"eval": {"max_new_tokens": 12}})
+    target, tokenizer = load_target(cfg), load_tokenizer(cfg)
+    prompt = EvalPrompt("mt", "writing", "1", ["Write one line about tea.", "Now about coffee."])
+
+    def decode(model) -> list[list[int]]:
+        return [g.tokens for g in converse(SpecDecoder(model, eos_token_ids(model, tokenizer)), PlainDrafter(),
+                                           tokenizer, prompt, cfg, 0.0, 0)]
+
+    plain = decode(target)
+    assert [len(t) for t in plain] == [12, 12]
+    return cfg, target, tokenizer, prompt, plain, decode
+
+
+def test_divergence_mismatch_on_tiny_target(tiny_plain):
+    """A made-up method output that takes the fp32 least likely token after 12 + 2 matched tokens is a
+    real mismatch at that position; identical output is no divergence."""
+    cfg, target, tokenizer, prompt, plain, _ = tiny_plain
+    scorer = Fp32Scorer(target)
+    assert divergence(scorer, tokenizer, prompt, cfg, plain, plain) is None and scorer.model is None  # no forward
+    context = turn_prompt(tokenizer, prompt, cfg, plain[:1]) + plain[1][:2]
+    logits = scorer(context)
+    assert scorer.model is target and int(logits.argmax()) == plain[1][2]    # plain = fp32 greedy there
+    worst = int(logits.argmin())
+    div = divergence(scorer, tokenizer, prompt, cfg, plain, [plain[0], plain[1][:2] + [worst, 5, 6]])
+    assert div == {"position": 14, "turn": 1, "plain_token": plain[1][2], "method_token": worst,
+                   "fp32_gap": pytest.approx(float(logits.max() - logits.min())), "kind": "mismatch"}
+    assert div["fp32_gap"] > 0.1
+
+
+def test_divergence_tie_on_tiny_target(tiny_plain):
+    """A target with two lm_head rows equal by construction: plain's token and its twin have the same
+    fp32 logit everywhere, so a method that emits the twin diverges at an exact tie."""
+    cfg, target, tokenizer, prompt, plain, decode = tiny_plain
+    token = plain[0][3]
+    context = turn_prompt(tokenizer, prompt, cfg, []) + plain[0][:3]
+    logits = Fp32Scorer(target)(context)
+    twin = token + 1 + int(logits[token + 1:].argmin())     # after ``token``: argmax ties keep ``token``
+    twins = copy.deepcopy(target)
+    with torch.no_grad():
+        twins.lm_head.weight[twin] = twins.lm_head.weight[token]
+    assert decode(twins) == plain                           # the twin is never emitted by plain decoding
+    div = divergence(Fp32Scorer(twins), tokenizer, prompt, cfg, plain, [plain[0][:3] + [twin], plain[1]])
+    assert div["kind"] == "tie" and div["position"] == 3 and div["method_token"] == twin
+    assert abs(div["fp32_gap"]) < 1e-5
+    clear = divergence(Fp32Scorer(target), tokenizer, prompt, cfg, plain, [plain[0][:3] + [twin], plain[1]])
+    assert clear["kind"] == "mismatch"                      # the same output on the original target
+
+
+def test_fp32_scorer_upcasts_a_copy_of_a_bf16_target(tiny_plain):
+    cfg, target, tokenizer, prompt, plain, _ = tiny_plain
+    bf16 = copy.deepcopy(target).to(torch.bfloat16)
+    scorer = Fp32Scorer(bf16)
+    context = turn_prompt(tokenizer, prompt, cfg, [])
+    logits = scorer(context)
+    assert logits.dtype == torch.float32 and scorer.model is not bf16
+    assert scorer.model.dtype == torch.float32 and bf16.dtype == torch.bfloat16     # the target is left alone
+    torch.testing.assert_close(logits, Fp32Scorer(target)(context), atol=0.05, rtol=0)
+
+
+def record(method: str, prompt: str, wall_s: float, div: dict | None = None, temperature: float = 0.0) -> dict:
+    """A synthetic per-prompt record: 20 tokens in 10 cycles (plain: 20), ``wall_s`` seconds."""
+    return {"dataset": "d", "category": "c", "id": prompt, "method": method, "temperature": temperature,
+            "new_tokens": 20, "cycles": 20 if method == "plain" else 10, "wall_s": wall_s, "draft_s": 0.1,
+            "divergence": div if temperature == 0 else None, "acceptance": "exact"}
+
+
+def test_aggregate_and_recommend_with_divergences():
+    """ngram: identical (1.25x); medusa-chain: one tie (2x, recommended with its divergence rate);
+    medusa-tree: a real mismatch (4x, excluded and named as a decoder bug)."""
+    tie = {"position": 7, "kind": "tie"}
+    records = [record("plain", p, 2.0) for p in "ab"] + [record("ngram", p, 1.6) for p in "ab"] + [
+        record("medusa-chain", "a", 1.0), record("medusa-chain", "b", 1.0, {"position": 3, "kind": "tie"}),
+        record("medusa-tree", "a", 0.5, tie), record("medusa-tree", "b", 0.5, {"position": 5, "kind": "mismatch"})]
+    results = aggregate(records)
+    row = {(r["method"], r["category"]): r for r in results}
+    assert all(set(RESULT_KEYS) <= set(r) for r in results)
+
+    def stats(method: str) -> tuple:
+        return tuple(row[(method, "all")][k] for k in ("identical_to_plain", "divergence_rate", "divergence_position",
+                                                        "ties", "mismatches"))
+
+    assert stats("plain") == stats("ngram") == (True, 0.0, None, 0, 0)
+    assert stats("medusa-chain") == (False, 0.5, 3.0, 1, 0)
+    assert stats("medusa-tree") == (False, 1.0, 6.0, 1, 1)
+    recs = {r["category"]: r for r in recommend(results, 1.05)}
+    assert recs["all"]["method"] == "medusa-chain" and recs["all"]["speedup"] == pytest.approx(2.0)
+    assert "50.0% of prompts diverged" in recs["all"]["reason"] and "EXCLUDED" in recs["all"]["reason"]
+    assert "medusa-tree" in recs["all"]["reason"]
+    assert decoder_bugs(results) == [{"dataset": "d", "method": "medusa-tree", "temperature": 0.0, "n_prompts": 2,
+                                      "mismatches": 1, "divergence_position": 6.0}]
+    # Without the tie, the identical method's claim needs no caveat; without any eligible method: plain.
+    only_ngram = recommend([r for r in results if r["method"] in ("plain", "ngram")], 1.05)
+    assert only_ngram[0]["method"] == "ngram" and "diverged" not in only_ngram[0]["reason"]
+    assert recommend([r for r in results if r["method"] in ("plain", "medusa-tree")], 1.05)[0]["method"] is None
+
+
+def test_sampled_records_have_no_divergence_stats_and_bugs_reach_the_markdown():
+    results = aggregate([record("plain", "a", 2.0, temperature=1.0), record("ngram", "a", 1.0, temperature=1.0)])
+    assert all(r[k] is None for r in results for k in ("identical_to_plain", "divergence_rate", "ties", "mismatches"))
+    assert recommend(results, 1.05)[0]["method"] == "ngram"
+    greedy = aggregate([record("plain", "a", 2.0), record("ngram", "a", 1.0, {"position": 2, "kind": "mismatch"})])
+    tree = {"top_k": 4, "depth": 5, "total_tokens": 8, "total_tokens_source": "config", "chain_k": 3,
+            "verify_ms": {"1": 1.0}}
+    md = markdown({"target": "t", "head": "eagle3", "device": "cpu", "dtype": "torch.bfloat16", "cpu_threads": 1,
+                   "target_params": 10, "target_memory_mb": 1.0, "head_params": 1, "head_extra_memory_mb": 0.1,
+                   "tree": tree, "results": greedy, "recommendations": recommend(greedy, 1.05),
+                   "decoder_bugs": decoder_bugs(greedy)})
+    assert "## DECODER BUGS" in md and "**ngram**, 1 of 1 prompts" in md and "| 100.0% |" in md
+    assert "**plain decoding**" in md

@@ -53,7 +53,7 @@ def test_captures_equal_hf_hidden_states(prepared):
     cfg = make_cfg([*BASE, f"output_root={prepared.parents[1]}"])
     captures = Captures(stage_dir(cfg, "extract"))
     target = load_target(cfg)
-    assert captures.layers == [2, 2, 1, 4]
+    assert captures.layers == [2, 4, 5, 8]
     import datasets
 
     ds = datasets.load_from_disk(str(stage_dir(cfg, "data") / "dataset"))
@@ -148,6 +148,34 @@ def test_resume_continues_with_the_same_losses(prepared, tmp_path):
                                load_file(str(stage_dir(crashed, "train") / "head/model.safetensors")))
 
 
+def test_offline_training_never_loads_the_whole_target(prepared, tmp_path, monkeypatch):
+    """Train (offline) and export read the embedding, lm_head and final norm from the target's files."""
+    import train.loop
+
+    def refuse(*_, **__):
+        raise AssertionError("the whole target was loaded")
+
+    monkeypatch.setattr(train.loop, "load_target", refuse)
+    cfg = fresh_run(prepared, tmp_path, "stages=[train,export]", "train.max_steps=2")
+    run_stages(cfg)
+    assert (stage_dir(cfg, "export") / "vllm" / "model.safetensors").exists()
+
+
+def test_batches_keep_the_stored_dtype_and_prefetch_keeps_the_order(prepared, tmp_path):
+    from data.stage import load_dataset
+    from train.loop import Batches, micro_batches, prefetch
+
+    cfg = fresh_run(prepared, tmp_path, "extract.dtype=bfloat16", stages=("data",))
+    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", "extract.dtype=bfloat16", "stages=[extract]"]))
+    rows = load_dataset(cfg)["train"]
+    make = Batches("train", rows, Captures(stage_dir(cfg, "extract")), None, [2, 4, 5, 8], torch.device("cpu"))
+    order = micro_batches(rows["length"].tolist(), 512, 0)
+    inline, ahead = list(prefetch(make, order, 0)), list(prefetch(make, order, 2))
+    assert inline[0]["states"].dtype == torch.bfloat16 and len(ahead) == len(order)
+    for a, b in zip(inline, ahead, strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in ("input_ids", "states", "argmax"))
+
+
 def test_wandb_offline_run_has_the_logged_keys(prepared, tmp_path):
     cfg = fresh_run(prepared, tmp_path, "stages=[train]", "tracking=wandb", "train.max_steps=2")
     run_stages(cfg)
@@ -180,6 +208,35 @@ def test_two_ranks_train_like_one(prepared, tmp_path):
     torch.testing.assert_close(load_file(str(stage_dir(one, "train") / "head/model.safetensors")),
                                load_file(str(stage_dir(two, "train") / "head/model.safetensors")),
                                rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_ranks_stop_together_on_a_time_budget(prepared, tmp_path):
+    """train.max_minutes with 2 ranks: the budget is read on rank 0's clock and broadcast, so both ranks
+    stop after the same step (a rank stopping one step early would leave the other in a collective)."""
+    fresh_run(prepared, tmp_path, stages=("data", "extract"))
+    deepspeed = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", "29673"]
+    proc = cli(["stages=[train]", "train.max_steps=100000", "train.max_minutes=0.1", "train.checkpoint_every=100000",
+                "train.micro_batch_tokens=256"], tmp_path, deepspeed)
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output[-3000:]
+    cfg = make_cfg([*BASE, f"output_root={tmp_path}"])
+    summary = json.loads((stage_dir(cfg, "train") / "summary.json").read_text())
+    steps = summary["steps_per_rank"]
+    assert len(steps) == 2 and steps[0] == steps[1] == summary["steps"] < 100000
+    assert "fit train.max_minutes" in output or "stopping at train.max_minutes" in output
+
+
+@pytest.mark.slow
+def test_rank0_only_stage_outlasts_the_collective_timeout(tmp_path):
+    """2 ranks, the data stage (rank 0 alone, regenerating) longer than dist_timeout_minutes: the other rank
+    waits on the stage's marker file, not in a collective that would time out."""
+    deepspeed = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", "29674"]
+    proc = cli(["stages=[data]", "dist_timeout_minutes=0.05", "data.regen.max_new_tokens=48"], tmp_path, deepspeed)
+    output, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, output[-3000:]
+    marker = json.loads((stage_dir(make_cfg([*BASE, f"output_root={tmp_path}"]), "data") / "_complete.json").read_text())
+    assert marker["wall_s"] > 0.05 * 60  # the stage did outlast the timeout
 
 
 @pytest.mark.slow

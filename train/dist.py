@@ -1,11 +1,22 @@
-"""Distributed helpers: one code path for a single process and for N ranks (deepspeed/torchrun)."""
+"""Distributed helpers: one code path for a single process and for N ranks (deepspeed/torchrun).
+
+Under a launcher each rank binds its own GPU (``LOCAL_RANK``) before the process group exists, so NCCL
+collectives and object gathers use the rank's device, never all GPU 0. Decisions that must be the
+same on every rank (stop now? how many steps fit the budget? is this the best head?) are taken on
+rank 0 and broadcast with :func:`broadcast`.
+"""
 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+# Collectives wait this long (``dist_timeout_minutes``) before failing; rank-0-only stages do not hold
+# a collective open (the other ranks wait on the stage's marker file, see train.stages).
+DEFAULT_TIMEOUT_MIN = 60
 
 
 def world_size() -> int:
@@ -16,11 +27,23 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def is_main() -> bool:
     return rank() == 0
 
 
-def init(device: torch.device, single: bool = False) -> None:
+def bind_device(device: torch.device) -> torch.device:
+    """This rank's device: ``cuda`` becomes ``cuda:LOCAL_RANK`` and is made current (before any NCCL call)."""
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index if device.index is not None else local_rank())
+        torch.cuda.set_device(device)
+    return device
+
+
+def init(device: torch.device, single: bool = False, timeout_minutes: float = DEFAULT_TIMEOUT_MIN) -> None:
     """Join the process group when launched with several ranks (gloo on CPU, nccl on GPU); with
     ``single``, also make a one-process group (DeepSpeed's engine needs one)."""
     if dist.is_initialized() or (world_size() == 1 and not single):
@@ -36,7 +59,9 @@ def init(device: torch.device, single: bool = False) -> None:
             os.environ.setdefault(key, value)
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    device = bind_device(device)
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
+                               timeout=timedelta(minutes=timeout_minutes))
 
 
 def barrier() -> None:
@@ -51,3 +76,12 @@ def all_gather_objects(obj):
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def broadcast(obj):
+    """Rank 0's ``obj`` on every rank (``obj`` itself without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)  # on the current (bound) device under NCCL
+    return box[0]

@@ -25,9 +25,10 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 
 from heads import Eagle3Config, Eagle3Head, MedusaConfig, MedusaHead, load_head
+from heads.frozen import TargetWeights
 from train.log import log
 from train.stages import read_marker, require, stage_dir
-from train.target import load_config, load_target
+from train.target import load_weights
 
 FORMATS = {"eagle3": ["vllm", "speculators", "sglang"], "medusa": ["medusa"]}
 # The engine versions these formats were checked against (scripts/vllm_check.py runs vLLM).
@@ -98,7 +99,7 @@ def check_tensors(fmt: str, tensors: dict[str, torch.Tensor], expected: dict, dt
         raise ExportError(f"{fmt} export does not match what the engine expects: " + "; ".join(problems))
 
 
-def build(fmt: str, head, target, cfg: DictConfig, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
+def build(fmt: str, head, target: TargetWeights, cfg: DictConfig, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, config.json) of one format."""
     state = {k: v.detach().cpu() for k, v in head.trained_state_dict().items()}
     cast = {k: (v if k in ("d2t", "t2d") else v.to(dtype)) for k, v in state.items()}
@@ -130,7 +131,7 @@ def build(fmt: str, head, target, cfg: DictConfig, dtype: torch.dtype) -> tuple[
         return cast, config
     # speculators: layer names "layers.0.*", the target's embedding included.
     tensors = {k.replace("midlayer.", "layers.0."): v for k, v in cast.items()}
-    tensors["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().cpu().to(dtype)
+    tensors["embed_tokens.weight"] = target.embed.cpu().to(dtype)
     k = cfg.export.num_speculative_tokens
     config = {
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
@@ -159,8 +160,9 @@ def target_name(cfg: DictConfig) -> str:
 
 
 def import_export(path: str | Path, fmt: str, target) -> torch.nn.Module:
-    """Read an export back into our head (the round trip)."""
+    """Read an export back into our head (the round trip); ``target``: a model or :class:`TargetWeights`."""
     path = Path(path)
+    target = TargetWeights.of(target)
     config = json.loads((path / "config.json").read_text())
     tensors = load_file(str(path / "model.safetensors"))
     if fmt == "medusa":
@@ -183,13 +185,11 @@ def import_export(path: str | Path, fmt: str, target) -> torch.nn.Module:
             num_key_value_heads=layer["num_key_value_heads"], head_dim=layer["head_dim"],
             rms_norm_eps=layer["rms_norm_eps"], rope_theta=layer["rope_theta"],
             max_position_embeddings=layer["max_position_embeddings"], aux_layers=ids,
-            num_target_layers=target.config.num_hidden_layers)
+            num_target_layers=target.text_config.num_hidden_layers)
         head = Eagle3Head(c)
         tensors = {k.replace("layers.0.", "midlayer."): v for k, v in tensors.items()}
-        tensors.setdefault("embed_tokens.weight", target.get_input_embeddings().weight.detach())
+        tensors.setdefault("embed_tokens.weight", target.embed)
     head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, strict=False)
-    if isinstance(head, Eagle3Head) and "embed_tokens.weight" not in tensors:
-        head.embed_tokens.weight.data.copy_(target.get_input_embeddings().weight)
     return head.eval()
 
 
@@ -256,7 +256,9 @@ def _ids_in_file(fmt: str, c: Eagle3Config) -> list[int]:
 def run(cfg: DictConfig) -> dict:
     require(cfg, "train")
     out = stage_dir(cfg, "export")
-    target = load_target(cfg, torch.device("cpu"), torch.float32)
+    # The embedding (speculators format) and the config are all export needs of the target: an 8B target
+    # is never loaded, its embedding is read from its files in the export dtype.
+    target = load_weights(cfg, getattr(torch, cfg.export.dtype))
     head = load_head(stage_dir(cfg, "train") / "head", target)
     formats = FORMATS[cfg.head.type] if cfg.export.formats == "auto" else list(cfg.export.formats)
     bad = [f for f in formats if f not in FORMATS[cfg.head.type]]
@@ -267,7 +269,6 @@ def run(cfg: DictConfig) -> dict:
     report = json.loads(report_path.read_text()) if read_marker(cfg, "eval") and report_path.exists() else None
     summary_path = stage_dir(cfg, "train") / "summary.json"
     train_summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-    load_config(cfg)  # the target's config must be readable by the engines too
     written = {}
     for fmt in formats:
         tensors, config = build(fmt, head, target, cfg, dtype)

@@ -139,7 +139,7 @@ def _load_model(cfg: DictConfig, device: torch.device):
         import deepspeed
         from transformers.integrations import HfDeepSpeedConfig
 
-        dist.init(device, single=True)  # DeepSpeed's engine needs a process group, even for one rank
+        dist.init(device, single=True, timeout_minutes=cfg.dist_timeout_minutes)  # DeepSpeed needs a group, even for one rank
 
         dtype = getattr(torch, cfg.extract.dtype) if device.type == "cuda" else torch.float32
         ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
@@ -164,7 +164,7 @@ def _full_weight(param: torch.Tensor, zero_stage: int) -> torch.Tensor:
 def run(cfg: DictConfig) -> dict:
     require(cfg, "data")
     out = stage_dir(cfg, "extract")
-    device = resolve_device(cfg.device)
+    device = dist.bind_device(resolve_device(cfg.device))
     tokenizer = load_tokenizer(cfg)
     data_manifest = check_data(cfg, tokenizer)
     tcfg = load_config(cfg)

@@ -18,19 +18,24 @@ import os
 import random
 import shutil
 import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 
 from data.stage import load_dataset, row_lengths
+from heads.frozen import TargetWeights
 from heads.io import build_head, head_config, save_head
 from train import dist
 from train.extract import Captures, capture, capture_layers
 from train.log import log, progress
 from train.losses import StepStats, eagle3_loss, full_argmax, medusa_loss, target_view
 from train.stages import fingerprint, require, stage_dir
-from train.target import load_target, resolve_device, resolve_dtype
+from train.target import load_target, load_weights, resolve_device, resolve_dtype
 from train.tracking import Tracker
 
 
@@ -64,30 +69,40 @@ def epoch_order(lengths: list[int], max_tokens: int, seed: int, n: int) -> list[
 
 
 class Batches:
-    """Builds padded tensors for a list of rows of one split (from disk captures or the live target)."""
+    """Builds padded tensors for a list of rows of one split (from disk captures or the live target).
+
+    Captured hidden states keep their stored dtype (bf16 by default) until the device; on a GPU the
+    host tensors are pinned and copied without blocking, so :func:`prefetch` can build the next
+    batches on a background thread while the current one trains."""
 
     def __init__(self, split: str, rows, captures: Captures | None, target, layers: list[int], device: torch.device):
         self.split, self.rows, self.captures, self.target, self.layers = split, rows, captures, target, layers
         self.device = device
+        self.pin = device.type == "cuda"
+
+    def _host(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype, pin_memory=self.pin)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=self.pin)
 
     def __call__(self, batch: list[int]) -> dict[str, torch.Tensor]:
         rows = [self.rows[r] for r in batch]
         lengths = [int(row["length"]) for row in rows]
-        T = max(lengths)
-        ids = torch.zeros(len(batch), T, dtype=torch.long)
-        mask = torch.zeros(len(batch), T, dtype=torch.long)
+        B, T = len(batch), max(lengths)
+        ids, mask = self._host(B, T, dtype=torch.long), self._host(B, T, dtype=torch.long)
         for j, row in enumerate(rows):
             ids[j, : lengths[j]] = torch.as_tensor(row["input_ids"])
             mask[j, : lengths[j]] = torch.as_tensor(row["loss_mask"])
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask = self._to_device(ids), self._to_device(mask)
         lengths_t = torch.tensor(lengths, device=self.device)
         if self.captures is not None:
-            states = torch.zeros(len(batch), T, len(self.layers), self.captures.manifest["hidden_size"])
-            argmax = torch.zeros(len(batch), T, dtype=torch.long)
+            hidden_size, dtype = self.captures.manifest["hidden_size"], getattr(torch, self.captures.manifest["dtype"])
+            states = self._host(B, T, len(self.layers), hidden_size, dtype=dtype)
+            argmax = self._host(B, T, dtype=torch.int32)
             for j, r in enumerate(batch):
-                hidden, top = self.captures.get(self.split, r)
-                states[j, : lengths[j]], argmax[j, : lengths[j]] = hidden.float(), top
-            states, argmax = states.to(self.device), argmax.to(self.device)
+                states[j, : lengths[j]], argmax[j, : lengths[j]] = self.captures.get(self.split, r)
+            states, argmax = self._to_device(states), self._to_device(argmax).long()
         else:  # online: the same capture as the extract stage
             with torch.no_grad():
                 attention = (torch.arange(T, device=self.device)[None] < lengths_t[:, None]).long()
@@ -95,6 +110,21 @@ class Batches:
                 argmax = full_argmax(states[:, :, -1], self.target.get_output_embeddings().weight)
         return {"input_ids": ids, "loss_mask": mask, "lengths": lengths_t, "states": states, "argmax": argmax,
                 "tokens": sum(lengths)}
+
+
+def prefetch(make: Callable[[list[int]], dict], batches: list[list[int]], depth: int) -> Iterator[dict]:
+    """``make(b)`` for each of ``batches`` in order, built up to ``depth`` ahead on a background thread
+    (``depth`` 0: inline)."""
+    if depth == 0:
+        yield from map(make, batches)
+        return
+    with ThreadPoolExecutor(1) as pool:
+        pending = deque(pool.submit(make, b) for b in batches[:depth])
+        for b in batches[depth:] + [None] * depth:
+            out = pending.popleft().result()
+            if b is not None:
+                pending.append(pool.submit(make, b))
+            yield out
 
 
 def compute(head, kind: str, batch: dict, draft_rows: torch.Tensor, cfg: DictConfig, positions: str,
@@ -184,17 +214,38 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def deepspeed_config(tcfg: DictConfig, dtype: torch.dtype) -> dict:
+    """DeepSpeed engine settings. In bf16, fp32 gradient accumulation (``train.grad_accum_dtype``) exists
+    only in DeepSpeed's BF16 optimizer (fp32 master weights and gradients), which needs ZeRO stage >= 1:
+    stage 0 is raised to 1 (one rank: the same; N ranks: optimizer states sharded)."""
+    stage = tcfg.zero_stage
+    extra = {}
+    if dtype == torch.bfloat16:
+        extra["data_types"] = {"grad_accum_dtype": tcfg.grad_accum_dtype}
+        if tcfg.grad_accum_dtype == "fp32" and stage == 0:
+            stage = 1
+            log("[train] bf16 with fp32 gradient accumulation: ZeRO stage 1 (DeepSpeed's BF16 optimizer)")
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": tcfg.grad_accum,
+            "gradient_clipping": tcfg.grad_clip, "zero_optimization": {"stage": stage},
+            "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16},
+            "steps_per_print": 10**9, "wall_clock_breakdown": False, "zero_allow_untested_optimizer": True,
+            **extra}
+
+
 def run(cfg: DictConfig) -> dict:
     import deepspeed
 
     tcfg = cfg.train
+    if tcfg.zero_stage == 3:
+        raise ValueError("train.zero_stage=3 is not supported: the head would be saved from partitioned (empty) "
+                         "parameters. A draft head fits one GPU; use train.zero_stage=1 or 2 to shard its optimizer state.")
     out = stage_dir(cfg, "train")
     require(cfg, "data")
     if not tcfg.online:
         require(cfg, "extract")
-    device = resolve_device(cfg.device)
+    device = dist.bind_device(resolve_device(cfg.device))
     dtype = resolve_dtype(cfg.dtype, device)
-    dist.init(device, single=True)
+    dist.init(device, single=True, timeout_minutes=cfg.dist_timeout_minutes)
     if tcfg.num_threads:
         torch.set_num_threads(tcfg.num_threads)
     elif dist.world_size() > 1 and device.type == "cpu":
@@ -203,18 +254,25 @@ def run(cfg: DictConfig) -> dict:
     random.seed(cfg.seed)
 
     kind = cfg.head.type
-    target = load_target(cfg, device)
-    layers = capture_layers(cfg, target.config)
+    # Offline, the head needs three tensors of the target (embedding, lm_head, final norm), read from its
+    # files; only online training (hidden states computed on the fly) loads the whole target.
+    target = load_target(cfg, device) if tcfg.online else None
+    weights = TargetWeights.of(target) if tcfg.online else load_weights(cfg, dtype)
+    layers = capture_layers(cfg, weights.config)
     vocab = load_file(str(stage_dir(cfg, "data") / "vocab.safetensors"))
-    head = build_head(kind, head_config(kind, target.config, cfg.head, vocab["d2t"].numel()))
+    head = build_head(kind, head_config(kind, weights.config, cfg.head, vocab["d2t"].numel()))
+    if vocab["t2d"].numel() != head.t2d.numel():
+        raise ValueError(f"the data stage's vocabulary has {vocab['t2d'].numel()} ids but the target "
+                         f"{head.t2d.numel()}: data made for another target; rerun it with force=[data]")
     head.set_vocab(vocab["d2t"], vocab["t2d"])
+    head.init_from_target(weights, cfg.head.get("init_from_target", True))
     head.to(device)
-    head.init_from_target(target, cfg.head.get("init_from_target", True))
     if kind == "eagle3" and cfg.head.fc_init == "last_tap":
         head.init_fc_last_tap()
     if kind == "eagle3" and not cfg.head.train_lm_head:
         head.lm_head.requires_grad_(False)  # the target's rows, frozen (EAGLE-1 style; a third less lm_head work)
-    draft_rows = target.get_output_embeddings().weight.detach()[head.draft_ids()]
+    draft_rows = weights.lm_head[head.draft_ids().to(weights.lm_head.device)].to(device, dtype)
+    del weights
 
     ds = load_dataset(cfg)
     captures = None if tcfg.online else Captures(stage_dir(cfg, "extract"))
@@ -240,14 +298,8 @@ def run(cfg: DictConfig) -> dict:
     optimizer = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, tcfg.warmup_steps, state["total_steps"], tcfg.min_lr_ratio))
-    ds_config = {
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": G,
-        "gradient_clipping": tcfg.grad_clip, "zero_optimization": {"stage": tcfg.zero_stage},
-        "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16},
-        "steps_per_print": 10**9, "wall_clock_breakdown": False,
-        "zero_allow_untested_optimizer": True,
-    }
-    engine, _, _, _ = deepspeed.initialize(model=head, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    engine, _, _, _ = deepspeed.initialize(model=head, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=deepspeed_config(tcfg, dtype))
     model = engine.module
 
     fp = fingerprint(cfg, "train")
@@ -280,6 +332,7 @@ def run(cfg: DictConfig) -> dict:
     def evaluate(reason: str) -> None:
         t0 = time.time()
         metrics = validate(model, kind, cfg, make_val, val_rows_used, draft_rows, max(tcfg.micro_batch_tokens, 2048))
+        metrics = dist.broadcast(metrics)  # rank 0's figures decide "best" and early stopping on every rank
         improved = metrics["sim_tau"] > state["best"] + 1e-4
         if improved:
             state["best"], state["bad_evals"] = metrics["sim_tau"], 0
@@ -317,11 +370,12 @@ def run(cfg: DictConfig) -> dict:
     while not stop and state["step"] < state["total_steps"]:
         epoch, offset = divmod(state["step"], steps_per_epoch)
         order = epoch_order(lengths, tcfg.micro_batch_tokens, cfg.seed * 1000 + epoch, steps_per_epoch * per_step)
-        for step_in_epoch in range(offset, steps_per_epoch):
-            mine = order[step_in_epoch * per_step + rank * G: step_in_epoch * per_step + (rank + 1) * G]
+        # This rank's micro-batches of the rest of the epoch: rank r takes r*G .. r*G+G-1 of each step.
+        mine = [order[s * per_step + rank * G + g] for s in range(offset, steps_per_epoch) for g in range(G)]
+        stream = prefetch(make_train, mine, 0 if tcfg.online else tcfg.prefetch)
+        for _ in range(offset, steps_per_epoch):
             losses, correct, weight = [], [], []
-            for batch_rows in mine:
-                batch = make_train(batch_rows)
+            for batch in islice(stream, G):
                 stats = compute(model, kind, batch, draft_rows, cfg, positions, _n_steps(cfg), tcfg.noise_std)
                 engine.backward(stats.loss)
                 engine.step()
@@ -333,7 +387,8 @@ def run(cfg: DictConfig) -> dict:
             bar.update(1)
             timed = state["step"] - timed_from[0]
             if tcfg.max_minutes and not state.get("fitted") and timed == max(1, tcfg.warmup_steps):
-                fit_schedule(state, tcfg, (time.time() - timed_from[1]) / timed, time.time() - start)
+                step_s, elapsed_s = dist.broadcast(((time.time() - timed_from[1]) / timed, time.time() - start))
+                fit_schedule(state, tcfg, step_s, elapsed_s)
                 bar.total = state["total_steps"]
             if state["step"] % tcfg.log_every == 0 or state["step"] == state["total_steps"]:
                 now = time.time()
@@ -350,7 +405,8 @@ def run(cfg: DictConfig) -> dict:
                 tracker.log(record, step=state["step"])
                 bar.set_postfix(loss=f"{record['train/loss']:.3f}", acc0=f"{train_metrics['acc_0']:.2f}",
                                 tok_s=f"{rate:.0f}")
-            timed_out = tcfg.max_minutes and (time.time() - start) / 60 >= tcfg.max_minutes
+            # Rank 0's clock decides, so every rank stops after the same step.
+            timed_out = bool(tcfg.max_minutes) and dist.broadcast((time.time() - start) / 60 >= tcfg.max_minutes)
             if state["step"] % tcfg.eval_every == 0:
                 evaluate("every")
             if state["step"] % tcfg.checkpoint_every == 0:
@@ -363,6 +419,7 @@ def run(cfg: DictConfig) -> dict:
                 stop = True
             if stop or state["step"] >= state["total_steps"]:
                 break
+        stream.close()
         if not stop and state["step"] % steps_per_epoch == 0 and state["step"] % tcfg.eval_every != 0:
             evaluate("epoch")
     bar.close()
@@ -371,7 +428,10 @@ def run(cfg: DictConfig) -> dict:
     checkpoint()
     elapsed = time.time() - start
     best = json.loads((out / "head" / "metrics.json").read_text())
-    summary = {"steps": state["step"], "best": best, "wall_s": round(elapsed, 1),
+    steps_per_rank = dist.all_gather_objects(state["step"])
+    if len(set(steps_per_rank)) != 1:
+        raise RuntimeError(f"ranks ran different step counts {steps_per_rank}: a rank-local decision (bug)")
+    summary = {"steps": state["step"], "steps_per_rank": steps_per_rank, "best": best, "wall_s": round(elapsed, 1),
                "tokens_per_s": round(tokens_seen * world / max(elapsed, 1e-9), 1),
                "train_tokens_per_s": round(tokens_seen * world / max(elapsed - side_s[0], 1e-9), 1),
                "validation_checkpoint_s": round(side_s[0], 1),

@@ -31,7 +31,13 @@ def main(cfg: DictConfig) -> None:
     from train.tracking import finish
 
     quiet_libraries()
-    dist.init(resolve_device(cfg.device))
+    if cfg.plan:  # before any process group, weights or stage: rank 0 prints, every rank exits
+        from train.plan import print_plan
+
+        if dist.is_main():
+            print_plan(cfg)
+        return
+    dist.init(resolve_device(cfg.device), timeout_minutes=cfg.dist_timeout_minutes)
     try:
         run_stages(cfg)
     finally:

@@ -42,9 +42,11 @@ DEPENDS = {
 }
 # Bumped when a stage's output format changes, so older outputs are redone rather than misread.
 FORMAT_VERSION = {"extract": 2}
-# Stages that run on every rank (they split their work); the others run on rank 0 while the rest wait.
+# Stages that run on every rank (they split their work); the others run on rank 0 while the rest wait
+# for the stage's marker file (multi-node runs need the run directory on a shared filesystem).
 DISTRIBUTED = {"extract", "train"}
 MARKER = "_complete.json"
+FAILED = "_failed.json"  # written by rank 0 when a rank-0-only stage raises: the waiting ranks stop too
 
 
 def stage_dir(cfg: DictConfig, name: str) -> Path:
@@ -99,19 +101,48 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
             continue
         log(f"[{name}] running -> {stage_dir(cfg, name)}")
         start = time.time()
-        stage_dir(cfg, name).mkdir(parents=True, exist_ok=True)
-        (stage_dir(cfg, name) / MARKER).unlink(missing_ok=True)
-        out = None
-        if name in DISTRIBUTED or dist.is_main():
-            out = importlib.import_module(ENTRY[name]).run(cfg)
-        dist.barrier()
-        marker = {"stage": name, "fingerprint": fp, "wall_s": round(time.time() - start, 1),
-                  "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "outputs": out or {}}
+        dist.barrier()  # every rank has compared the old marker before rank 0 removes it
         if dist.is_main():
-            tmp = stage_dir(cfg, name) / (MARKER + ".tmp")
-            tmp.write_text(json.dumps(marker, indent=2, default=str))
-            os.replace(tmp, stage_dir(cfg, name) / MARKER)
+            stage_dir(cfg, name).mkdir(parents=True, exist_ok=True)
+            (stage_dir(cfg, name) / MARKER).unlink(missing_ok=True)
+            (stage_dir(cfg, name) / FAILED).unlink(missing_ok=True)
+        dist.barrier()
+        if name in DISTRIBUTED:
+            out = importlib.import_module(ENTRY[name]).run(cfg)
+            dist.barrier()
+            marker = _write_marker(cfg, name, fp, start, out)
+        elif dist.is_main():
+            try:
+                out = importlib.import_module(ENTRY[name]).run(cfg)
+            except BaseException as e:
+                (stage_dir(cfg, name) / FAILED).write_text(json.dumps({"error": repr(e)}))
+                raise
+            marker = _write_marker(cfg, name, fp, start, out)
+        else:  # no collective stays open while rank 0 works alone (hours of regeneration are fine)
+            marker = wait_for_marker(cfg, name, fp)
         dist.barrier()
         log(f"[{name}] done in {marker['wall_s']} s")
         results[name] = marker
     return results
+
+
+def _write_marker(cfg: DictConfig, name: str, fp: str, start: float, out: dict | None) -> dict:
+    """The stage's ``_complete.json`` (written by rank 0, atomically)."""
+    marker = {"stage": name, "fingerprint": fp, "wall_s": round(time.time() - start, 1),
+              "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "outputs": out or {}}
+    if dist.is_main():
+        tmp = stage_dir(cfg, name) / (MARKER + ".tmp")
+        tmp.write_text(json.dumps(marker, indent=2, default=str))
+        os.replace(tmp, stage_dir(cfg, name) / MARKER)
+    return marker
+
+
+def wait_for_marker(cfg: DictConfig, name: str, fp: str, poll_s: float = 2.0) -> dict:
+    """Wait (polling the shared run directory) until rank 0 has finished stage ``name``; raise if it failed."""
+    while True:
+        marker = read_marker(cfg, name)
+        if marker and marker.get("fingerprint") == fp:
+            return marker
+        if (stage_dir(cfg, name) / FAILED).exists():
+            raise RuntimeError(f"stage {name!r} failed on rank 0 (see its log); this rank stops too")
+        time.sleep(poll_s)

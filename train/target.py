@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 from filelock import FileLock
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from heads.frozen import TargetWeights
 from train.log import log
 
 # Chat templates of the tiny targets; also the Llama-3-style and ChatML fixtures of the data tests.
@@ -109,12 +110,18 @@ def _build_tiny_tokenizer(template: str):
 
 
 def _build_tiny(mcfg: DictConfig, out: Path) -> None:
+    """A random model with the quirks of the real family it twins (see conf/model/tiny-*.yaml)."""
     tok = _build_tiny_tokenizer(mcfg.template)
-    arch = {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}[mcfg.arch]
+    vocab = mcfg.get("vocab_size") or len(tok)  # > len(tok): a padded vocabulary, as Qwen2.5/Qwen3 ship
+    if vocab < len(tok):
+        raise ValueError(f"model.vocab_size={vocab} is smaller than the tokenizer ({len(tok)} tokens)")
     import transformers
 
+    arch = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[mcfg.arch]
+    extra = {k: OmegaConf.to_container(mcfg, resolve=True)[k] for k in ("head_dim", "rope_scaling")
+             if mcfg.get(k) is not None}
     config = getattr(transformers, arch)(
-        vocab_size=len(tok),
+        vocab_size=vocab,
         hidden_size=mcfg.hidden_size,
         intermediate_size=mcfg.intermediate_size,
         num_hidden_layers=mcfg.num_hidden_layers,
@@ -122,10 +129,11 @@ def _build_tiny(mcfg: DictConfig, out: Path) -> None:
         num_key_value_heads=mcfg.num_key_value_heads,
         max_position_embeddings=mcfg.max_position_embeddings,
         rope_theta=mcfg.rope_theta,
-        tie_word_embeddings=False,
+        tie_word_embeddings=bool(mcfg.get("tie_word_embeddings", False)),
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
+        **extra,
     )
     torch.manual_seed(mcfg.init_seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -134,6 +142,9 @@ def _build_tiny(mcfg: DictConfig, out: Path) -> None:
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.25 if "embed" in name or "lm_head" in name else 0.08)
+        # Padding rows are never produced (zero logits lose to the real tokens), as in the real models.
+        model.get_input_embeddings().weight[len(tok):] = 0
+        model.get_output_embeddings().weight[len(tok):] = 0
     model.save_pretrained(out)
     tok.save_pretrained(out)
 
@@ -164,7 +175,7 @@ def target_path(cfg: DictConfig) -> str:
         key = _sha_file(_gguf_path(mcfg))
         build = _build_from_gguf
     elif mcfg.source == "tiny":
-        key = hashlib.sha256(json.dumps(dict(mcfg), sort_keys=True).encode()).hexdigest()[:16]
+        key = hashlib.sha256(json.dumps(OmegaConf.to_container(mcfg, resolve=True), sort_keys=True).encode()).hexdigest()[:16]
         build = _build_tiny
     else:
         raise ValueError(f"model.source must be hf | gguf_package | tiny, got {mcfg.source!r}")
@@ -215,6 +226,50 @@ def load_target(cfg: DictConfig, device: torch.device | None = None, dtype: torc
     model = _from_pretrained(AutoModelForCausalLM, target_path(cfg), cfg, dtype=dtype)
     model.to(device).eval().requires_grad_(False)
     return model
+
+
+def load_weights(cfg: DictConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> TargetWeights:
+    """The target's embedding, lm_head and final norm, read from its safetensors files: the decoder
+    layers are never loaded (train and export need only these; an 8B target stays on disk)."""
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    config = load_config(cfg)
+    with torch.device("meta"):  # parameter names of this architecture, no memory
+        skeleton = AutoModelForCausalLM.from_config(config)
+    modules = {id(m): name for name, m in skeleton.named_modules()}
+    wanted = {"embed": modules[id(skeleton.get_input_embeddings())] + ".weight",
+              "lm_head": modules[id(skeleton.get_output_embeddings())] + ".weight",
+              "norm": modules[id(skeleton.get_decoder().norm)] + ".weight"}
+    path, kw = target_path(cfg), dict(revision=cfg.model.revision, local_files_only=_offline())
+    index = cached_file(path, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False, **kw)
+    if index:
+        where = json.loads(Path(index).read_text())["weight_map"]
+    else:
+        single = cached_file(path, "model.safetensors", _raise_exceptions_for_missing_entries=False, **kw)
+        if not single:
+            raise FileNotFoundError(f"target {path!r} has no safetensors weights (model.safetensors[.index.json]); "
+                                    "convert it with `save_pretrained(..., safe_serialization=True)`")
+        with safe_open(single, framework="pt") as f:
+            where = dict.fromkeys(f.keys(), "model.safetensors")
+
+    def key(name: str) -> str:
+        if name in where:
+            return name
+        suffix = [k for k in where if k.endswith("." + ".".join(name.split(".")[-2:]))]
+        if len(suffix) == 1:  # e.g. a checkpoint saved under another prefix
+            return suffix[0]
+        raise KeyError(f"tensor {name!r} not found in the checkpoint of {path!r} (candidates: {suffix[:5]})")
+
+    if wanted["lm_head"] not in where and getattr(config, "tie_word_embeddings", False):
+        wanted["lm_head"] = wanted["embed"]  # tied: the checkpoint stores the embedding once
+    tensors = {}
+    for field_, name in wanted.items():
+        name = key(name)
+        with safe_open(cached_file(path, where[name], **kw), framework="pt") as f:
+            tensors[field_] = f.get_tensor(name).to(device, dtype)
+    return TargetWeights(config, **tensors)
 
 
 def tokenizer_fingerprint(tok) -> str:

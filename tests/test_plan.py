@@ -1,0 +1,194 @@
+"""The planner (train/plan.py): printed offline for the big presets without weights, the train stage's memory
+refusal, and (integration) its disk and memory figures against a real extraction and training step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, make_cfg
+from train import plan as planner
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("model", ["qwen2.5-7b", "llama3.1-8b"])
+def test_plan_cli_offline_without_weights(model, tmp_path):
+    """`plan=true` prints every stage for a 7-8B preset offline, from the shipped config snapshot, in
+    seconds and without loading weights (the process stays far below the weights' size)."""
+    script = ("import resource, runpy, sys; sys.argv = sys.argv[1:]\n"
+              "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+              "finally:\n    print('MAXRSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}   # an empty HF cache
+    start = time.time()
+    out = subprocess.run([sys.executable, "-c", script, str(ROOT / "train/run.py"), f"model={model}", "head=eagle3",
+                          "train=full", "plan=true", "tracking=none", f"output_root={tmp_path}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert time.time() - start < 30
+    text = out.stdout
+    params = {"qwen2.5-7b": "7.62B", "llama3.1-8b": "8.03B"}[model]
+    hidden = {"qwen2.5-7b": 3584, "llama3.1-8b": 4096}[model]
+    for expected in (f"{params} parameters", f"conf/model/arch/{model}.json", "EXTRACT", "TRAIN", "EVAL",
+                     f"{4 * hidden * 2 + 4:,} bytes/token", "memory per rank (peak)", "activations", "peak transient",
+                     "optimizer states", "tok/s per rank"):
+        assert expected in text, (expected, text)
+    assert int(text.rsplit("MAXRSS", 1)[1]) < 3 * GiB
+    assert not (tmp_path / model / "eagle3" / "data").exists()   # no stage ran
+
+
+def test_plan_figures_follow_the_config(cfg_factory):
+    """Disk = bytes/token x tokens (stated tokens), memory grows with the micro-batch and the TTT steps."""
+    cfg = cfg_factory("model=qwen2.5-7b", "planner.device=gpu", "planner.tokens=1000000")
+    p = planner.plan(cfg)
+    assert p["dtype"] == "bfloat16" and p["extract"]["disk_bytes"] == 1_000_000 * (4 * 3584 * 2 + 4)
+    base = p["train"]["memory"]
+    bigger = planner.plan(cfg_factory("model=qwen2.5-7b", "planner.device=gpu", "train.micro_batch_tokens=16384"))
+    deeper = planner.plan(cfg_factory("model=qwen2.5-7b", "planner.device=gpu", "head.ttt_steps=8"))
+    assert bigger["train"]["memory"].items["activations"] > 1.9 * base.items["activations"]
+    assert deeper["train"]["memory"].items["activations"] > base.items["activations"]
+    assert p["eval"]["memory"].items["target weights"] == pytest.approx(7.62e9 * 2, rel=0.01)
+    huge = planner.plan(cfg_factory("model=qwen2.5-7b", "planner.tokens=10000000000000"))
+    assert "DISK TOO SMALL" in planner.format_plan(huge)
+
+
+def test_check_train_memory_refuses_when_short(cfg_factory, monkeypatch):
+    cfg = cfg_factory("model=qwen2.5-7b", "device=cpu")
+    free = {"bytes": GiB}
+    monkeypatch.setattr(planner.psutil, "virtual_memory", lambda: type("VM", (), {"available": free["bytes"]})())
+    with pytest.raises(planner.MemoryShortError) as err:
+        planner.check_train_memory(cfg, torch.device("cpu"))
+    message = str(err.value)
+    for key in ("train.micro_batch_tokens", "head.ttt_steps", "head.draft_vocab_size", "train.zero_stage",
+                "1.00 GiB free"):
+        assert key in message, message
+    free["bytes"] = 10**15
+    est = planner.check_train_memory(cfg, torch.device("cpu"))
+    assert est.peak > est.items["activations"] > 0
+    free["bytes"] = GiB
+    planner.check_train_memory(cfg_factory("model=qwen2.5-7b", "device=cpu", "planner.enforce=false"), torch.device("cpu"))
+
+
+def test_peak_tensor_memory_counts_new_storages_only():
+    before = torch.zeros(1000)
+    with planner.peak_tensor_memory() as m:
+        view = before[:500].view(10, 50)          # a view of an older tensor: no new memory
+        before.add_(1)                            # in place: no new memory
+        a = torch.zeros(1000)                     # 4000 bytes
+        b = a * 2                                 # 4000 more
+        del a
+        c = torch.zeros(250)                      # 1000: the peak stays 8000
+        del b, c, view
+    assert m.peak == 8000
+
+
+# ----------------------------------------------------------------------------------------- integration
+# 16 built-in prompts with short answers; train.prefetch=0: the measured step builds its batch inline (tensors
+# made on a prefetch thread escape the dispatch mode that measures).
+DATA = ["data.sources=[{type:builtin,limit:16}]", "data.regen.max_new_tokens=32", "train.prefetch=0"]
+
+
+@pytest.fixture(scope="module")
+def extracted(tmp_path_factory):
+    """The default target's data and extract stages on 16 built-in prompts (the default config otherwise)."""
+    from train.stages import run_stages
+
+    cfg = make_cfg([*DATA, f"output_root={tmp_path_factory.mktemp('plan')}", "stages=[data,extract]"])
+    run_stages(cfg)
+    return cfg
+
+
+def within(planned: float, measured: float, tolerance: float = 0.10) -> bool:
+    print(f"planned {planned:,.0f} B, measured {measured:,.0f} B ({planned / measured - 1:+.2%})")
+    return abs(planned / measured - 1) <= tolerance
+
+
+@pytest.mark.integration
+def test_extract_disk_and_memory_match_a_real_extraction(extracted):
+    from train.extract import capture
+    from train.losses import full_argmax
+    from train.stages import stage_dir
+    from train.target import load_target
+
+    manifest = json.loads((stage_dir(extracted, "extract") / "manifest.json").read_text())
+    p = planner.plan(extracted)
+    assert p["tokens"] == json.loads((stage_dir(extracted, "data") / "manifest.json").read_text())["tokens"]
+    assert within(p["extract"]["disk_bytes"], manifest["bytes"])
+    # One forward of extract.batch_tokens (as in train.extract.run), fp32 on CPU: everything but the weights.
+    target = load_target(extracted)
+    est = planner.extract_memory(extracted, p["shapes"], torch.float32, 1, tokens=2048)
+    ids = torch.randint(0, 1000, (4, 512))
+    with torch.inference_mode(), planner.peak_tensor_memory() as m:
+        states = capture(target, ids, manifest["layers"], torch.ones_like(ids))
+        full_argmax(states[:, :, -1], target.get_output_embeddings().weight)
+    assert within(est.peak - est.items["target weights"], m.peak)
+
+
+def measure_train_step(cfg, *overrides: str) -> tuple[int, int]:
+    """(planned, measured) peak bytes of one training step of ``cfg`` + ``overrides`` on its extracted data, set
+    up as ``train.loop.run`` does offline (the target is never loaded), fp32 on CPU: live tensors of the second
+    step (the optimizer's states exist) + the head, its buffers, the draft rows and the optimizer's states."""
+    from safetensors.torch import load_file
+
+    from data.stage import load_dataset, row_lengths
+    from heads.io import build_head, head_config
+    from train.extract import Captures, capture_layers
+    from train.loop import Batches, _n_steps, compute, micro_batches
+    from train.stages import stage_dir
+    from train.target import load_weights
+
+    cfg = make_cfg([*DATA, f"output_root={cfg.output_root}", *overrides])
+    kind, dtype, device = cfg.head.type, torch.float32, torch.device("cpu")
+    torch.manual_seed(0)
+    weights = load_weights(cfg, dtype)
+    vocab = load_file(str(stage_dir(cfg, "data") / "vocab.safetensors"))
+    head = build_head(kind, head_config(kind, weights.config, cfg.head, vocab["d2t"].numel()))
+    head.set_vocab(vocab["d2t"], vocab["t2d"])
+    head.init_from_target(weights)
+    if kind == "eagle3" and not cfg.head.train_lm_head:
+        head.lm_head.requires_grad_(False)
+    draft_rows = weights.lm_head[head.draft_ids()].to(device, dtype)
+    ds = load_dataset(cfg)
+    make = Batches("train", ds["train"], Captures(stage_dir(cfg, "extract")), None,
+                   capture_layers(cfg, weights.config), device)
+    del weights
+    lengths = row_lengths(ds["train"])
+    rows = max(micro_batches(lengths, cfg.train.micro_batch_tokens, 0), key=lambda b: len(b) * max(lengths[r] for r in b))
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=(0.9, 0.95))
+
+    def step() -> None:
+        batch = make(rows)
+        stats = compute(head, kind, batch, draft_rows, cfg, cfg.train.positions, _n_steps(cfg))
+        stats.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    with planner.peak_tensor_memory() as m:
+        step()
+    state = [*head.parameters(), *head.buffers(), draft_rows, *(v for s in optimizer.state.values() for v in s.values())]
+    measured = m.peak + sum(t.untyped_storage().nbytes() for t in state)
+    # The plan of exactly this micro-batch: rows x longest padded tokens.
+    T = max(lengths[r] for r in rows)
+    like = make_cfg([*DATA, f"output_root={cfg.output_root}", *overrides, f"train.micro_batch_tokens={len(rows) * T}",
+                     f"data.max_length={T}"])
+    est = planner.train_memory(like, planner.shapes(like, planner.architecture(like), vocab["d2t"].numel()), dtype, 1)
+    assert est.items["target weights"] == 0
+    return est.peak, measured
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("overrides", [(), ("train.micro_batch_tokens=200", "head.ttt_steps=5")],
+                         ids=["default", "small-batch-ttt5"])
+def test_train_memory_matches_a_real_training_step(extracted, overrides):
+    """The planned peak of a training step (head, optimizer, batch, activations, transients) against a real
+    step of the default config (and one where the backward's gradients, not the forward, set the peak)."""
+    assert within(*measure_train_step(extracted, *overrides))

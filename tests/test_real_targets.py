@@ -1,0 +1,92 @@
+"""The real presets' quirks on tiny random twins (unit tier): padded vocabulary (Qwen2.5/Qwen3), untied
+and tied embeddings, q/k/v biases, Qwen3 q/k norms and head_dim, Llama-3.1 rope scaling, GQA. Each
+twin runs data -> extract -> train -> eval -> export, and every export passes the completeness check.
+Also: the GPU-scale defaults of the real presets, and the checks that refuse silently wrong settings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from heads.io import head_config
+from tests.conftest import make_cfg
+from train.export import FORMATS, check_tensors, expected_tensors, import_export
+from train.stages import run_stages, stage_dir
+from train.target import load_config, load_target, load_tokenizer, load_weights
+
+TWINS = {
+    "qwen2.5 (padded vocab, qkv bias, untied)": ["model=tiny-qwen2"],
+    "qwen3 (q/k norm, head_dim, padded vocab)": ["model=tiny-qwen3"],
+    "llama3.1 (rope scaling, GQA, untied)": ["model=tiny-llama"],
+    "tied embeddings": ["model=tiny-llama", "model.tie_word_embeddings=true", "model.name=tiny-llama-tied"],
+}
+FAST = ["data.sources=[{type:builtin,limit:12}]", "data.regen.max_new_tokens=16", "head.draft_vocab_size=96",
+        "extract.dtype=float32", "train.max_steps=3", "train.warmup_steps=1", "train.micro_batch_tokens=2048",
+        "train.max_minutes=null", "train.eval_every=1000", "train.num_threads=1", "eval.datasets=[builtin]",
+        "eval.limit=1", "eval.warmup=0", "eval.max_new_tokens=8", "eval.tree.total_tokens=4"]
+
+
+@pytest.mark.parametrize("head", ["eagle3", "medusa"])
+@pytest.mark.parametrize("twin", list(TWINS))
+def test_twin_runs_every_stage_and_exports_completely(twin, head, tmp_path):
+    cfg = make_cfg([*TWINS[twin], f"head={head}", *FAST, f"output_root={tmp_path}"])
+    run_stages(cfg)
+    config, tokenizer = load_config(cfg), load_tokenizer(cfg)
+    vocab = load_file(str(stage_dir(cfg, "data") / "vocab.safetensors"))
+    # Everything keyed on the target vocabulary has the model's size, whatever the tokenizer's length.
+    assert vocab["t2d"].numel() == vocab["masked_counts"].numel() == config.vocab_size >= len(tokenizer)
+    assert json.loads((stage_dir(cfg, "eval") / "report.json").read_text())["results"]
+    target = load_target(cfg)
+    for fmt in FORMATS[head]:
+        folder = stage_dir(cfg, "export") / fmt
+        tensors = load_file(str(folder / "model.safetensors"))
+        again = import_export(folder, fmt, target)
+        check_tensors(fmt, tensors, expected_tensors(fmt, again), torch.bfloat16)
+        vocab_rows = tensors["t2d"] if head == "eagle3" else tensors["lm_heads.0.weight"]
+        assert vocab_rows.shape[0] == config.vocab_size
+
+
+def test_padded_twins_are_padded():
+    for name in ("tiny-qwen2", "tiny-qwen3"):
+        cfg = make_cfg([f"model={name}"])
+        assert load_config(cfg).vocab_size > len(load_tokenizer(cfg))
+
+
+@pytest.mark.parametrize("twin", list(TWINS))
+def test_weights_read_from_files_equal_the_loaded_model(twin):
+    """Train and export read three tensors from the checkpoint instead of loading the whole target."""
+    cfg = make_cfg(TWINS[twin])
+    target, weights = load_target(cfg), load_weights(cfg)
+    assert torch.equal(weights.embed, target.get_input_embeddings().weight)
+    assert torch.equal(weights.lm_head, target.get_output_embeddings().weight)
+    assert torch.equal(weights.norm, target.get_decoder().norm.weight)
+
+
+@pytest.mark.parametrize("model", ["qwen2.5-7b", "llama3.1-8b", "qwen3-8b"])
+def test_real_presets_get_gpu_scale_settings(model):
+    cfg = make_cfg([f"model={model}"])
+    assert cfg.train.max_minutes is None and cfg.train.micro_batch_tokens == 8192 and cfg.train.lr == 1e-4
+    assert cfg.head.ttt_steps == 7 and cfg.head.draft_vocab_size == 32768 and cfg.train.grad_accum_dtype == "fp32"
+    demo = make_cfg([])  # the embedded default keeps the CPU demo's budget
+    assert demo.train.max_minutes and demo.head.ttt_steps == 3
+    assert make_cfg([f"model={model}", "head.ttt_steps=5"]).head.ttt_steps == 5
+
+
+def test_unsorted_or_repeated_taps_are_refused():
+    cfg = make_cfg(["model=tiny-llama"])
+    config = load_config(cfg)
+    for taps in ([5, 4, 2], [2, 2, 5]):
+        cfg.head.aux_layers = taps
+        with pytest.raises(ValueError, match="ascending and distinct"):
+            head_config("eagle3", config, cfg.head, 64)
+
+
+def test_zero3_head_training_is_refused(tmp_path):
+    from train.loop import run
+
+    cfg = make_cfg(["model=tiny-llama", "train.zero_stage=3", f"output_root={tmp_path}"])
+    with pytest.raises(ValueError, match="zero_stage=3 is not supported"):
+        run(cfg)

@@ -1,0 +1,500 @@
+"""The planner: disk, memory per rank and time of every stage, before any weight is loaded.
+
+``python train/run.py model=qwen2.5-7b ... plan=true`` prints :func:`print_plan` and exits; the train stage
+calls :func:`check_train_memory` first and refuses to start when the estimate exceeds the free memory.
+
+Nothing here loads weights. The target's architecture is its config (:func:`architecture`: the real one
+when it can be had, else the snapshot ``conf/model/arch/<model.name>.json``); parameter counts come from
+the target and the head built on the meta device. Activation memory is what the training code keeps
+alive, derived from ``train/losses.py`` (``eagle3_loss``, ``medusa_loss``, ``soft_ce``) and
+``heads/eagle3.py`` (RMSNorm, attention, ``TTTCache``): each term below names the tensors it stands for,
+and the integration test checks the sum against the live tensors of a real training step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import weakref
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from heads.eagle3 import TTTCache
+from heads.io import build_head, head_config
+from train.extract import capture_layers
+from train.log import log
+from train.stages import stage_dir
+from train.target import load_config, resolve_device, resolve_dtype
+
+ARCH_DIR = Path(__file__).resolve().parents[1] / "conf" / "model" / "arch"
+GiB = 2**30
+F32 = 4  # bytes of the fp32 tensors the losses and the optimizer keep whatever the training dtype
+
+
+class MemoryShortError(RuntimeError):
+    pass
+
+
+@dataclass
+class Estimate:
+    """Bytes per rank by item (with a note each) and the peak those items reach together."""
+
+    items: dict[str, int] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+    peak: int = 0
+
+    def add(self, name: str, nbytes: float, note: str = "") -> int:
+        self.items[name], self.notes[name] = int(nbytes), note
+        return int(nbytes)
+
+
+# ---------------------------------------------------------------------------------------------- shapes
+def _architecture(cfg: DictConfig):
+    """(config, where it came from)."""
+    try:
+        return load_config(cfg), f"the config of {cfg.model.path or cfg.model.hub_id or cfg.model.name}"
+    except (OSError, ValueError) as e:
+        snapshot = ARCH_DIR / f"{cfg.model.name}.json"
+        if not snapshot.exists():
+            raise
+        log(f"[plan] the config of {cfg.model.name} is not available here ({type(e).__name__}); using {snapshot}")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = json.loads(snapshot.read_text())["model_type"]
+    return CONFIG_MAPPING[model_type].from_json_file(str(snapshot)), str(snapshot.relative_to(ARCH_DIR.parents[2]))
+
+
+def architecture(cfg: DictConfig):
+    """The target's ``PretrainedConfig`` without weights: the real one (local dir, HF cache, the Hub when
+    online; tiny/GGUF targets materialise their small local dir), else ``conf/model/arch/<model.name>.json``."""
+    return _architecture(cfg)[0]
+
+
+def _linear_params(module: nn.Module) -> int:
+    """Weights that cost 2 FLOPs per token each in a forward pass (the nn.Linear ones)."""
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+
+
+@dataclass
+class Shapes:
+    """Everything the estimates need, counted on the meta device."""
+
+    config: object                 # the target's text config
+    target_params: int
+    target_linear: int             # matmul weights of a forward pass (lm_head included)
+    head: object                   # the head's config (Eagle3Config | MedusaConfig)
+    trainable: int
+    frozen: int
+    buffer_bytes: int
+    head_once: int                 # EAGLE-3 fc: run once per token
+    head_repeat: int               # run once per TTT step (EAGLE-3) / once (Medusa)
+    largest: int                   # the largest trainable weight
+    captured: int                  # target layers the extract stage stores per token
+
+
+def shapes(cfg: DictConfig, config, draft_vocab: int | None = None) -> Shapes:
+    """Parameter counts of the target and the head (``draft_vocab``: the data stage's, else the config's)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        target = AutoModelForCausalLM.from_config(config)
+        kind = cfg.head.type
+        vocab = getattr(config, "text_config", config).vocab_size   # the data stage caps it at the vocabulary
+        hcfg = head_config(kind, config, cfg.head, draft_vocab or min(cfg.head.draft_vocab_size, vocab))
+        head = build_head(kind, hcfg)
+    if kind == "eagle3" and not cfg.head.train_lm_head:
+        head.lm_head.requires_grad_(False)
+    once = head.fc.weight.numel() if kind == "eagle3" else 0
+    return Shapes(
+        config=getattr(config, "text_config", config),
+        target_params=sum(p.numel() for p in target.parameters()), target_linear=_linear_params(target),
+        head=hcfg,
+        trainable=sum(p.numel() for p in head.parameters() if p.requires_grad),
+        frozen=sum(p.numel() for p in head.parameters() if not p.requires_grad),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in head.buffers()),
+        largest=max((p.numel() for p in head.parameters() if p.requires_grad), default=0),
+        head_once=once, head_repeat=_linear_params(head) - once, captured=len(capture_layers(cfg, config)))
+
+
+# ------------------------------------------------------------------------------------------------ data
+def data_tokens(cfg: DictConfig) -> tuple[dict[str, int], str]:
+    """({train, validation} tokens, where the figure comes from)."""
+    pcfg = cfg.planner
+    manifest = stage_dir(cfg, "data") / "manifest.json"
+    if pcfg.tokens:
+        return {"train": int(pcfg.tokens), "validation": 0}, "planner.tokens"
+    if manifest.exists():
+        return {k: int(v) for k, v in json.loads(manifest.read_text())["tokens"].items()}, f"data manifest {manifest}"
+    rows = pcfg.rows or _count_rows(cfg)
+    per_row = min(pcfg.avg_row_tokens, cfg.data.max_length)
+    val = int(rows * per_row * cfg.data.validation_fraction)
+    return ({"train": rows * per_row - val, "validation": val},
+            f"estimate: {rows} rows x {per_row} tokens/row (planner.avg_row_tokens); run the data stage or "
+            "set planner.tokens for the real figure")
+
+
+def _draft_vocab(cfg: DictConfig) -> int | None:
+    """The data stage's draft vocabulary size, when it has run."""
+    path = stage_dir(cfg, "data") / "manifest.json"
+    return json.loads(path.read_text())["draft_vocab_size"] if path.exists() else None
+
+
+def _count_rows(cfg: DictConfig) -> int:
+    from data.formats import BUILTIN, humaneval_path, read_rows
+
+    total = 0
+    for source in cfg.data.sources:
+        kind = source.get("type")
+        path = BUILTIN if kind == "builtin" else humaneval_path() if kind == "humaneval" else source.get("path")
+        if path is None:
+            raise ValueError(f"the planner cannot count the rows of data source {dict(source)} (a Hub dataset): "
+                             "set planner.rows (conversations) or planner.tokens, or run the data stage first")
+        total += sum(1 for _ in itertools.islice(read_rows(path, "skip", Counter()), source.get("limit")))
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def _ttt_rows(B: int, heads: int, T: int) -> int:
+    """Query rows per chunk of a TTT step k > 0, as ``TTTCache.attend`` picks them."""
+    return min(T, TTTCache().chunk_rows or max(64, TTTCache.score_budget // (B * heads * T)))
+
+
+@dataclass
+class Activations:
+    """Bytes of one micro-batch in the train stage (see :func:`activations`)."""
+
+    batch: int          # what ``Batches`` builds: hidden states, ids, loss mask, target argmax
+    saved: int          # the target's log-probs, the head's inputs, and what autograd saves over all steps
+    released: int       # of ``saved``, freed before the gradients of weights reused by every step all exist
+    transient: int      # the largest short-lived tensors on top of ``saved`` (loss, TTT attention chunk)
+
+
+def activations(sh: Shapes, kind: str, tokens: int, seq_len: int, steps: int, s: int, states_bytes: int) -> Activations:
+    """What ``train.loop.compute`` keeps alive for one micro-batch of ``tokens`` padded tokens in rows of
+    ``seq_len``: training dtype of ``s`` bytes, hidden states of the batch stored with ``states_bytes``."""
+    h, N, T = sh.head, tokens, seq_len
+    H, V = h.hidden_size, h.draft_vocab_size
+    # Batches: states [N, layers, H], ids, mask, argmax (int64). target_view: fp32 log-probs [N, V].
+    batch, log_p = N * (sh.captured * H * states_bytes + 3 * 8), N * V * F32
+    # soft_ce of the last step: the shifted target log-probs and the product, [N, V] fp32 each.
+    loss = 2 * N * V * F32
+    if kind == "medusa":
+        # Per head: each ResBlock layer keeps its input (linear) and pre-activation (silu), lm_head its input;
+        # log_softmax its fp32 output; soft_ce exp(target log_p) (fp32). Heads share no weight.
+        saved = h.num_heads * N * ((2 * h.num_layers + 1) * H * s + 2 * V * F32)
+        return Activations(batch, log_p + N * H * s + saved, 0, loss)   # + the head's input in its dtype
+    d, heads, inter = h.head_dim, h.num_attention_heads, h.intermediate_size
+    qd, kvd = heads * d, h.num_key_value_heads * d
+    per_step = N * (s * (8 * H          # 4 RMSNorm outputs before the weight (x_normed), 2 norm outputs feeding
+                                        # linears (MLP, lm_head), the [emb | hidden] concat (2H)
+                         + 2 * qd       # rotated q, the attention output fed to o_proj
+                         + 2 * kvd      # rotated k and v (step 0: SDPA inputs; k > 0: the cache's diagonal)
+                         + 2 * d        # RoPE cos, sin
+                         + 4 * inter)   # MLP: gate, silu(gate), up, their product
+                    + 2 * V * F32)      # log_softmax output, exp(target log_p) in soft_ce: fp32
+    # Inputs of the 3 RMSNorms that need a gradient, saved by pow/mul in fp32: in fp32 the features
+    # themselves (fc output + after attention + after the MLP of each step); in bf16 each norm's fp32 copy.
+    norm_in = N * H * F32
+    saved = (steps * per_step + norm_in * (2 * steps + 1 if s == F32 else 3 * steps)
+             + N * kvd * s * steps * (steps - 1)    # stacked diagonal k, v of steps 1..k (checkpoint inputs)
+             + N * heads * F32)                     # step-0 SDPA logsumexp
+    # TTT step k > 0, backward of one checkpointed chunk: the fp32 softmax output and its fp32 gradient
+    # plus two score-sized tensors in the training dtype, over [B, heads, rows, T + k] scores.
+    B = max(1, N // T)
+    attention = B * heads * _ttt_rows(B, heads, T) * (T + steps - 1) * (2 * F32 + 2 * s) if steps > 1 else 0
+    # The weights of a step serve every step: their gradients all exist once the last step's backward is
+    # done, which has released that step's tensors and the loss tensors of the step before.
+    released = per_step + norm_in * 2 + 2 * N * V * F32 if steps > 1 else 0
+    return Activations(batch, log_p + N * 3 * H * s + saved, released, max(loss, attention))   # + taps [N, 3H]
+
+
+def train_memory(cfg: DictConfig, sh: Shapes, dtype: torch.dtype, world: int) -> Estimate:
+    """Peak memory of one rank of the train stage: static + max(forward, backward, optimizer step)."""
+    from train.loop import deepspeed_config
+
+    tc, s, est = cfg.train, dtype.itemsize, Estimate()
+    kind = cfg.head.type
+    zero = deepspeed_config(tc, dtype)["zero_optimization"]["stage"]
+    # DeepSpeed's BF16 optimizer (bf16 + fp32 gradient accumulation): a full fp32 gradient buffer, and the
+    # bf16 gradients stay until the next backward.
+    fp32_accum = s < F32 and tc.grad_accum_dtype == "fp32"
+    steps = cfg.head.ttt_steps if kind == "eagle3" else 1
+    N, T = tc.micro_batch_tokens, min(tc.micro_batch_tokens, cfg.data.max_length)
+    H, V, P = sh.config.hidden_size, sh.head.draft_vocab_size, sh.trainable
+    shard = (lambda stage: world if zero >= stage else 1)  # noqa: E731
+    static = est.add("target weights", sh.target_params * s if tc.online else 0,
+                     f"{_count(sh.target_params)} params x {_name(dtype)} (online)" if tc.online else
+                     "offline: only the embedding, lm_head and final norm are read, on the host, and released")
+    static += est.add("draft lm_head rows", V * H * s, f"the target's lm_head rows of the {V} draft ids")
+    static += est.add("head trainable weights", P * s, f"{_count(P)} x {_name(dtype)}")
+    static += est.add("head frozen weights", sh.frozen * s + sh.buffer_bytes,
+                      f"{_count(sh.frozen)} x {_name(dtype)} (the target's embedding) + vocabulary maps")
+    static += est.add("optimizer states", P * ((2 * F32 + (F32 if s < F32 else 0)) / shard(1) + (F32 if fp32_accum else 0)),
+                      "AdamW m, v" + (" + fp32 master weights" if s < F32 else "") + (" + fp32 gradients" if fp32_accum else "")
+                      + (f"; ZeRO-{zero} over {world} ranks" if zero and world > 1 else ""))
+    grads = est.add("gradients", P * s / shard(2), "during backward" + (
+        "; kept until the next backward" if fp32_accum else "; kept across micro-batches" if tc.grad_accum > 1 else ""))
+    prefetch = 0 if tc.online else tc.get("prefetch", 0)
+    act = activations(sh, kind, N, T, steps, s, s if tc.online else getattr(torch, cfg.extract.dtype).itemsize)
+    batch = est.add("batches", act.batch * (1 + prefetch), f"{N} tokens (train.micro_batch_tokens) x {1 + prefetch} "
+                    "(current + train.prefetch): hidden states, ids, argmax")
+    saved = est.add("activations", act.saved, "target log-probs over the draft vocabulary, saved for backward over "
+                    + (f"{steps} TTT steps" if kind == "eagle3" else f"{sh.head.num_heads} heads"))
+    transient = est.add("peak transient", act.transient, "the last loss: 2 x [N, draft vocab] fp32"
+                        + (" | a TTT attention chunk" if steps > 1 else ""))
+    held = grads if fp32_accum or tc.grad_accum > 1 else 0
+    largest = sh.largest * s / shard(2)
+    # Backward's high point. Weights that every TTT step reuses have all their gradients once the last step
+    # is done, while the earlier steps' tensors (less ``released``) are alive; a new gradient and the
+    # out-of-place sum then join them. Weights used once (1 step, Medusa): its start, the loss gradients
+    # (one [N, draft vocab] fp32 beyond the saved tensors) and the first weight gradient.
+    backward = (batch + saved - act.released + grads + 2 * largest if steps > 1
+                else batch + saved + N * V * F32 + max(held, largest))
+    phases = {"forward": batch + saved + transient + held, "backward": backward,
+              "step": grads + P * F32 / shard(1)}   # + one fp32 copy (AdamW's sqrt(v), the flat all-reduce buffer)
+    if tc.online:   # Batches runs the target's forward (no grad) before the head's
+        capture = extract_memory(cfg, sh, dtype, world, N)
+        phases["capture"] = capture.peak - capture.items["target weights"]
+    est.peak = static + max(phases.values())
+    return est
+
+
+def _kv_bytes(c, s: int) -> int:
+    """KV cache bytes per token of the target (every layer, k and v)."""
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * (getattr(c, "head_dim", None)
+                                                             or c.hidden_size // c.num_attention_heads) * s
+
+
+def extract_memory(cfg: DictConfig, sh: Shapes, dtype: torch.dtype, world: int, tokens: int | None = None) -> Estimate:
+    """One rank's peak during extraction (``tokens`` per forward, default ``extract.batch_tokens``):
+    target weights + max(forward, full-vocabulary argmax), from ``train.extract.capture``/``full_argmax``."""
+    c, s, est = sh.config, dtype.itemsize, Estimate()
+    N, L, H = tokens or cfg.extract.batch_tokens, sh.captured, sh.config.hidden_size
+    zero3 = cfg.extract.zero_stage == 3
+    weights = est.add("target weights", sh.target_params * s / (world if zero3 else 1),
+                      f"{_count(sh.target_params)} params x {_name(dtype)}" + (f" / {world} ranks (ZeRO-3)" if zero3 else ""))
+    # The decoder's forward keeps the KV cache of every layer (use_cache), the captured layers, two residual
+    # streams, the embeddings and a normed input while one MLP holds gate, act(gate) and up [N, I].
+    kv = est.add("KV cache", N * _kv_bytes(c, s), f"{N} tokens per forward (extract.batch_tokens), every layer")
+    fwd = est.add("forward activations", N * ((L + 3) * H + 3 * c.intermediate_size) * s,
+                  "captured layers, residual streams, one MLP")
+    # full_argmax: the stacked captures and one [1024, vocab] chunk of logits.
+    arg = est.add("argmax logits", (N * L * H + min(N, 1024) * c.vocab_size) * s, "1024-row chunks over the full vocabulary")
+    est.peak = weights + max(kv + fwd, arg)
+    return est
+
+
+def eval_memory(cfg: DictConfig, sh: Shapes, dtype: torch.dtype) -> Estimate:
+    """Rank 0 in the eval stage: target + head weights + the target's KV cache at the longest context."""
+    s, est = dtype.itemsize, Estimate()
+    ctx = cfg.data.max_length + cfg.eval.max_new_tokens
+    est.peak = (est.add("target weights", sh.target_params * s, f"{_count(sh.target_params)} params x {_name(dtype)}")
+                + est.add("head weights", (sh.trainable + sh.frozen) * s + sh.buffer_bytes, "trained + frozen")
+                + est.add("KV cache", ctx * _kv_bytes(sh.config, s), f"{ctx} tokens (data.max_length + eval.max_new_tokens)"))
+    return est
+
+
+# ------------------------------------------------------------------------------------------------ plan
+def _device(cfg: DictConfig) -> torch.device:
+    choice = cfg.planner.device
+    return resolve_device(cfg.device) if choice == "auto" else torch.device("cuda" if choice == "gpu" else "cpu")
+
+
+def _free_memory(device: torch.device) -> int:
+    """Free bytes for this process: the GPU's free memory, or the available RAM shared by this host's ranks."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return psutil.virtual_memory().available // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+def _here(device: torch.device) -> bool:
+    """Whether ``device`` is this machine's kind (its free memory can be compared)."""
+    return device.type == "cpu" or torch.cuda.is_available()
+
+
+def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
+    """Disk, memory per rank and hours of extract / train / eval (see the module docstring)."""
+    config, source = _architecture(cfg)
+    device = device or _device(cfg)
+    dtype = resolve_dtype(cfg.dtype, device)
+    pc, tc = cfg.planner, cfg.train
+    world = int(pc.world_size or os.environ.get("WORLD_SIZE", 1))
+    sh = shapes(cfg, config, _draft_vocab(cfg))
+    H, V = sh.config.hidden_size, sh.head.draft_vocab_size
+    tokens, tokens_source = data_tokens(cfg)
+    total = sum(tokens.values())
+    per_token = sh.captured * H * getattr(torch, cfg.extract.dtype).itemsize + 4   # + the int32 argmax
+    disk_dir = next(p for p in Path(cfg.run_dir).absolute().parents if p.exists())
+    # Throughputs per rank: stated, or sustained FLOP/s over FLOPs per token (2 per matmul weight forward,
+    # 6 forward + backward); extraction also limited by the disk's write bandwidth shared by all ranks.
+    flops = (pc.gpu_tflops if device.type == "cuda" else pc.cpu_tflops) * 1e12
+    extract_rate = min(pc.extract_tok_s or flops / (2 * sh.target_linear), pc.disk_mb_s * 1e6 / per_token / world)
+    steps = cfg.head.ttt_steps if cfg.head.type == "eagle3" else 1
+    train_flops = (6 * (sh.head_once + steps * sh.head_repeat) + 2 * H * V   # + target_view's [H, draft vocab] matmul
+                   + (2 * sh.target_linear if tc.online else 0))
+    train_rate = pc.train_tok_s or flops / train_flops
+    trained = tc.max_steps * world * tc.grad_accum * tc.micro_batch_tokens if tc.max_steps else tc.epochs * tokens["train"]
+    train_h = trained / (train_rate * world) / 3600
+    extract_dtype = getattr(torch, cfg.extract.dtype) if cfg.extract.zero_stage == 3 and device.type == "cuda" else dtype
+    return {
+        "model": cfg.model.name, "architecture": type(config).__name__.removesuffix("Config"), "config_source": source,
+        "device": device.type, "dtype": _name(dtype), "world_size": world, "shapes": sh, "tokens": tokens,
+        "tokens_source": tokens_source, "free_here": _free_memory(device) if _here(device) else None,
+        "headroom": pc.headroom,
+        "extract": {"bytes_per_token": per_token, "disk_bytes": total * per_token, "disk_dir": str(disk_dir),
+                    "disk_free": shutil.disk_usage(disk_dir).free, "disk_margin": cfg.extract.disk_margin,
+                    "memory": extract_memory(cfg, sh, extract_dtype, world), "tok_s": extract_rate,
+                    "hours": total / (extract_rate * world) / 3600},
+        "train": {"memory": train_memory(cfg, sh, dtype, world), "tok_s": train_rate, "tokens": trained,
+                  "flops_per_token": train_flops, "hours": min(train_h, (tc.max_minutes or 1e9) / 60),
+                  "capped": bool(tc.max_minutes) and train_h > tc.max_minutes / 60},
+        "eval": {"memory": eval_memory(cfg, sh, dtype)},
+    }
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:8.2f} GiB"
+
+
+def _duration(hours: float) -> str:
+    return f"{hours * 60:8.1f} min" if hours < 1 else f"{hours:8.1f} h  " if hours < 48 else f"{hours / 24:8.1f} days"
+
+
+def format_plan(p: dict) -> str:
+    """The plan as a table (what ``plan=true`` prints)."""
+    sh, ex, tr = p["shapes"], p["extract"], p["train"]
+    c, free = sh.config, p["free_here"]
+    short_disk = ex["disk_free"] < ex["disk_bytes"] * ex["disk_margin"]
+    lines = [
+        f"PLAN   model={p['model']}: {p['architecture']}, {_count(sh.target_params)} parameters, {c.num_hidden_layers} "
+        f"layers, hidden {c.hidden_size}, vocabulary {c.vocab_size} (from {p['config_source']})",
+        f"       head: {_count(sh.trainable)} trainable + {_count(sh.frozen)} frozen parameters, draft vocabulary "
+        f"{sh.head.draft_vocab_size}",
+        f"       {p['device']}, {p['dtype']}, {p['world_size']} rank(s)"
+        + ("" if p["device"] == "cuda" else "   (planner.device=gpu plans a GPU run)"),
+        f"       data: {p['tokens']['train']:,} train + {p['tokens']['validation']:,} validation tokens ({p['tokens_source']})",
+    ]
+
+    def memory(title: str, est: Estimate) -> None:
+        over = free is not None and est.peak * p["headroom"] > free
+        lines.append(f"  {title:<27}{_gib(est.peak)}" + (f"   << MORE THAN THE {free / GiB:.1f} GiB FREE HERE"
+                                                          f" (x{p['headroom']} headroom)" if over else ""))
+        lines.extend(f"    {k:<25}{_gib(v)}   {est.notes[k]}" for k, v in est.items.items())
+
+    lines += ["", "EXTRACT", f"  {'disk':<27}{_gib(ex['disk_bytes'])}   {ex['bytes_per_token']:,} bytes/token x "
+              f"{sum(p['tokens'].values()):,} tokens = {ex['bytes_per_token'] * 1e6 / GiB:.1f} GiB per million tokens; "
+              f"{ex['disk_free'] / GiB:.1f} GiB free at {ex['disk_dir']}"
+              + (f"   << DISK TOO SMALL (x{ex['disk_margin']} margin): extract will refuse" if short_disk else "")]
+    memory("memory per rank (peak)", ex["memory"])
+    lines.append(f"  {'time':<27}{_duration(ex['hours'])}   at {ex['tok_s']:,.0f} tok/s per rank")
+    lines += ["", "TRAIN"]
+    memory("memory per rank (peak)", tr["memory"])
+    lines.append(f"  {'time':<27}{_duration(tr['hours'])}   {tr['tokens']:,} tokens at {tr['tok_s']:,.0f} tok/s per rank "
+                 f"({tr['flops_per_token'] / 1e9:.2f} GFLOP/token)" + ("; capped by train.max_minutes" if tr["capped"] else ""))
+    lines += ["", "EVAL"]
+    memory("memory on rank 0 (peak)", p["eval"]["memory"])
+    lines += ["", "Peak = weights and optimizer + the largest of forward, backward and optimizer step. Rates: "
+              "planner.gpu_tflops | cpu_tflops, extract_tok_s | train_tok_s, disk_mb_s. Less memory: "
+              "train.micro_batch_tokens, head.ttt_steps, head.draft_vocab_size, train.zero_stage over more ranks."]
+    return "\n".join(lines)
+
+
+def print_plan(cfg: DictConfig) -> dict:
+    p = plan(cfg)
+    print(format_plan(p), flush=True)
+    return p
+
+
+def check_train_memory(cfg: DictConfig, device: torch.device) -> Estimate:
+    """Refuse to train when the estimated peak (x ``planner.headroom``) exceeds this rank's free memory;
+    log the estimate otherwise. Call first in the train stage, before anything is loaded on ``device``."""
+    from train import dist
+
+    est = train_memory(cfg, shapes(cfg, architecture(cfg), _draft_vocab(cfg)), resolve_dtype(cfg.dtype, device),
+                       dist.world_size())
+    free, need = _free_memory(device), est.peak * cfg.planner.headroom
+    top = ", ".join(f"{k} {v / GiB:.2f}" for k, v in sorted(est.items.items(), key=lambda kv: -kv[1])[:4])
+    msg = (f"[train] memory estimate {est.peak / GiB:.2f} GiB per rank (x{cfg.planner.headroom} headroom), "
+           f"{free / GiB:.2f} GiB free on {device}; largest (GiB): {top}")
+    if need <= free:
+        log(msg)
+    elif not cfg.planner.enforce:
+        log(msg + " -- MORE THAN FREE; continuing (planner.enforce=false)")
+    else:
+        raise MemoryShortError(
+            msg + ". Not enough memory: lower train.micro_batch_tokens (batch, activations and transients scale "
+            "with it), head.ttt_steps (activations per step), head.draft_vocab_size ([tokens, draft vocab] fp32 "
+            "log-probabilities per step), or shard the optimizer with train.zero_stage=1|2 across more ranks"
+            + ("; train.online=false (extract first) frees the target's weights" if cfg.train.online else "")
+            + "; planner.enforce=false tries anyway. `plan=true` prints the whole plan.")
+    return est
+
+
+# ----------------------------------------------------------------------------------------- measurement
+@dataclass
+class PeakMemory:
+    peak: int = 0          # bytes; set when the block exits
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Bytes of tensor storages created inside the mode and alive at the same time. Outputs sharing a
+    storage with an input (views, in-place ops) are not new memory; tensors from before are not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and (key := id(st := t.untyped_storage())) not in self.live \
+                    and key not in inputs:
+                self.live[key] = st.nbytes()
+                self.now += st.nbytes()
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(st, self._free, key)
+        return out
+
+
+@contextmanager
+def peak_tensor_memory(device: torch.device | str = "cpu") -> Iterator[PeakMemory]:
+    """Peak bytes of the tensors allocated inside the block and alive together (those from before excluded):
+    ``torch.cuda.max_memory_allocated`` above the entry level on CUDA, live tensor storages on CPU."""
+    device, result = torch.device(device), PeakMemory()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        yield result
+        torch.cuda.synchronize(device)
+        result.peak = torch.cuda.max_memory_allocated(device) - base
+        return
+    mode = _LiveStorages()
+    with mode:
+        yield result
+    result.peak = mode.peak
