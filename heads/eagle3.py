@@ -124,6 +124,11 @@ class TTTCache:
         self.diag: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.chunk_rows = chunk_rows
 
+    @classmethod
+    def rows_per_chunk(cls, batch: int, heads: int, T: int) -> int:
+        """Query rows per chunk of a step k > 0 (default): one chunk's scores near ``score_budget`` elements."""
+        return min(T, max(64, cls.score_budget // (batch * heads * T)))
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.k0 is None:
             self.k0, self.v0 = k, v
@@ -133,7 +138,7 @@ class TTTCache:
         qg = q.unflatten(1, (k.shape[1], H // k.shape[1]))              # [B, kv, groups, T, d]
         dk = torch.stack([kj for kj, _ in self.diag], 3)                 # [B, kv, T, steps, d]
         dv = torch.stack([vj for _, vj in self.diag], 3)
-        rows = self.chunk_rows or max(64, self.score_budget // (B * H * T))
+        rows = self.chunk_rows or self.rows_per_chunk(B, H, T)
         out = []
         for s in range(0, T, rows):
             e = min(s + rows, T)

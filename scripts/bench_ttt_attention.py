@@ -17,17 +17,15 @@ import argparse
 import math
 import sys
 import time
-import weakref
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from heads.eagle3 import TTTCache  # noqa: E402
+from train.plan import peak_tensor_memory  # noqa: E402
 
 
 class ReferenceTTTCache:
@@ -54,28 +52,6 @@ class ReferenceTTTCache:
         out = p[..., :T] @ v0
         for j, (_, vj) in enumerate(self.diag):
             out = out + p[..., T + j, None] * vj.repeat_interleave(groups, 1)
-        return out
-
-
-class LiveStorageBytes(TorchDispatchMode):
-    """Peak bytes of the tensor storages created inside the mode and alive at the same time (CPU)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.now = self.peak = 0
-
-    def _free(self, key: int) -> None:
-        self.now -= self.live.pop(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and id(st := t.untyped_storage()) not in self.live:
-                self.live[id(st)] = st.nbytes()
-                self.now += st.nbytes()
-                self.peak = max(self.peak, self.now)
-                weakref.finalize(st, self._free, id(st))
         return out
 
 
@@ -106,11 +82,10 @@ def measure(cls, T: int, args, device: torch.device, dtype: torch.dtype) -> tupl
                 t.grad = None
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base, (time.perf_counter() - start) / args.iters
-    mode = LiveStorageBytes()
     start = time.perf_counter()
-    with mode:
+    with peak_tensor_memory("cpu") as memory:
         unroll(cls, q, k, v, grads)
-    return mode.peak, time.perf_counter() - start
+    return memory.peak, time.perf_counter() - start
 
 
 def main() -> None:

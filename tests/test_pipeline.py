@@ -232,11 +232,13 @@ def test_rank0_only_stage_outlasts_the_collective_timeout(tmp_path):
     """2 ranks, the data stage (rank 0 alone, regenerating) longer than dist_timeout_minutes: the other rank
     waits on the stage's marker file, not in a collective that would time out."""
     deepspeed = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", "29674"]
-    proc = cli(["stages=[data]", "dist_timeout_minutes=0.05", "data.regen.max_new_tokens=48"], tmp_path, deepspeed)
+    slow_data = ["data.sources=[{type:builtin,limit:160}]", "data.regen.max_new_tokens=96"]
+    proc = cli(["stages=[data]", "dist_timeout_minutes=0.1", *slow_data], tmp_path, deepspeed)
     output, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, output[-3000:]
-    marker = json.loads((stage_dir(make_cfg([*BASE, f"output_root={tmp_path}"]), "data") / "_complete.json").read_text())
-    assert marker["wall_s"] > 0.05 * 60  # the stage did outlast the timeout
+    marker = json.loads((stage_dir(make_cfg([*BASE, f"output_root={tmp_path}", *slow_data]), "data")
+                         / "_complete.json").read_text())
+    assert marker["wall_s"] > 0.1 * 60  # the stage did outlast the timeout
 
 
 @pytest.mark.slow

@@ -64,7 +64,7 @@ def capture_layers(cfg: DictConfig, target_config) -> list[int]:
 
 def capture(model, input_ids: torch.Tensor, layers: list[int], attention_mask=None, **kwargs) -> torch.Tensor:
     """[B, T, len(layers), H]: the selected hidden states of one forward pass (no lm_head)."""
-    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                                output_hidden_states=list(layers), **kwargs)
     return torch.stack([out.hidden_states[i] for i in layers], 2)
 

@@ -34,6 +34,7 @@ from train import dist
 from train.extract import Captures, capture, capture_layers
 from train.log import log, progress
 from train.losses import StepStats, eagle3_loss, full_argmax, medusa_loss, target_view
+from train.plan import check_train_memory
 from train.stages import fingerprint, require, stage_dir
 from train.target import load_target, load_weights, resolve_device, resolve_dtype
 from train.tracking import Tracker
@@ -246,6 +247,7 @@ def run(cfg: DictConfig) -> dict:
     device = dist.bind_device(resolve_device(cfg.device))
     dtype = resolve_dtype(cfg.dtype, device)
     dist.init(device, single=True, timeout_minutes=cfg.dist_timeout_minutes)
+    check_train_memory(cfg, device)  # before anything is loaded: refuses when the estimate exceeds free memory
     if tcfg.num_threads:
         torch.set_num_threads(tcfg.num_threads)
     elif dist.world_size() > 1 and device.type == "cpu":

@@ -168,7 +168,7 @@ def _count_rows(cfg: DictConfig) -> int:
 # ---------------------------------------------------------------------------------------------- memory
 def _ttt_rows(B: int, heads: int, T: int) -> int:
     """Query rows per chunk of a TTT step k > 0, as ``TTTCache.attend`` picks them."""
-    return min(T, TTTCache().chunk_rows or max(64, TTTCache.score_budget // (B * heads * T)))
+    return TTTCache.rows_per_chunk(B, heads, T)
 
 
 @dataclass
@@ -285,14 +285,13 @@ def extract_memory(cfg: DictConfig, sh: Shapes, dtype: torch.dtype, world: int, 
     zero3 = cfg.extract.zero_stage == 3
     weights = est.add("target weights", sh.target_params * s / (world if zero3 else 1),
                       f"{_count(sh.target_params)} params x {_name(dtype)}" + (f" / {world} ranks (ZeRO-3)" if zero3 else ""))
-    # The decoder's forward keeps the KV cache of every layer (use_cache), the captured layers, two residual
-    # streams, the embeddings and a normed input while one MLP holds gate, act(gate) and up [N, I].
-    kv = est.add("KV cache", N * _kv_bytes(c, s), f"{N} tokens per forward (extract.batch_tokens), every layer")
+    # The decoder's forward (no KV cache) keeps the captured layers, two residual streams, the embeddings
+    # and a normed input while one MLP holds gate, act(gate) and up [N, I].
     fwd = est.add("forward activations", N * ((L + 3) * H + 3 * c.intermediate_size) * s,
                   "captured layers, residual streams, one MLP")
     # full_argmax: the stacked captures and one [1024, vocab] chunk of logits.
     arg = est.add("argmax logits", (N * L * H + min(N, 1024) * c.vocab_size) * s, "1024-row chunks over the full vocabulary")
-    est.peak = weights + max(kv + fwd, arg)
+    est.peak = weights + max(fwd, arg)
     return est
 
 
@@ -336,15 +335,21 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
     tokens, tokens_source = data_tokens(cfg)
     total = sum(tokens.values())
     per_token = sh.captured * H * getattr(torch, cfg.extract.dtype).itemsize + 4   # + the int32 argmax
-    disk_dir = next(p for p in Path(cfg.run_dir).absolute().parents if p.exists())
+    run_dir = Path(cfg.run_dir).absolute()
+    disk_dir = next(p for p in (run_dir, *run_dir.parents) if p.exists())
     # Throughputs per rank: stated, or sustained FLOP/s over FLOPs per token (2 per matmul weight forward,
     # 6 forward + backward); extraction also limited by the disk's write bandwidth shared by all ranks.
-    flops = (pc.gpu_tflops if device.type == "cuda" else pc.cpu_tflops) * 1e12
-    extract_rate = min(pc.extract_tok_s or flops / (2 * sh.target_linear), pc.disk_mb_s * 1e6 / per_token / world)
+    rates, kind = (pc.gpu, "gpu") if device.type == "cuda" else (pc.cpu, "cpu")
+    compute_rate = pc.extract_tok_s or rates.extract_tflops * 1e12 / (2 * sh.target_linear)
+    disk_rate = pc.disk_mb_s * 1e6 / per_token / world
+    extract_rate = min(compute_rate, disk_rate)
+    extract_basis = ("planner.disk_mb_s" if disk_rate < compute_rate else "planner.extract_tok_s" if pc.extract_tok_s
+                     else f"planner.{kind}.extract_tflops / {2 * sh.target_linear / 1e9:.2f} GFLOP/token")
     steps = cfg.head.ttt_steps if cfg.head.type == "eagle3" else 1
     train_flops = (6 * (sh.head_once + steps * sh.head_repeat) + 2 * H * V   # + target_view's [H, draft vocab] matmul
                    + (2 * sh.target_linear if tc.online else 0))
-    train_rate = pc.train_tok_s or flops / train_flops
+    train_rate = pc.train_tok_s or rates.train_tflops * 1e12 / train_flops
+    train_basis = "planner.train_tok_s" if pc.train_tok_s else f"planner.{kind}.train_tflops / {train_flops / 1e9:.2f} GFLOP/token"
     trained = tc.max_steps * world * tc.grad_accum * tc.micro_batch_tokens if tc.max_steps else tc.epochs * tokens["train"]
     train_h = trained / (train_rate * world) / 3600
     extract_dtype = getattr(torch, cfg.extract.dtype) if cfg.extract.zero_stage == 3 and device.type == "cuda" else dtype
@@ -355,10 +360,10 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
         "headroom": pc.headroom,
         "extract": {"bytes_per_token": per_token, "disk_bytes": total * per_token, "disk_dir": str(disk_dir),
                     "disk_free": shutil.disk_usage(disk_dir).free, "disk_margin": cfg.extract.disk_margin,
-                    "memory": extract_memory(cfg, sh, extract_dtype, world), "tok_s": extract_rate,
+                    "memory": extract_memory(cfg, sh, extract_dtype, world), "tok_s": extract_rate, "basis": extract_basis,
                     "hours": total / (extract_rate * world) / 3600},
         "train": {"memory": train_memory(cfg, sh, dtype, world), "tok_s": train_rate, "tokens": trained,
-                  "flops_per_token": train_flops, "hours": min(train_h, (tc.max_minutes or 1e9) / 60),
+                  "basis": train_basis, "hours": min(train_h, (tc.max_minutes or 1e9) / 60),
                   "capped": bool(tc.max_minutes) and train_h > tc.max_minutes / 60},
         "eval": {"memory": eval_memory(cfg, sh, dtype)},
     }
@@ -406,15 +411,15 @@ def format_plan(p: dict) -> str:
               f"{ex['disk_free'] / GiB:.1f} GiB free at {ex['disk_dir']}"
               + (f"   << DISK TOO SMALL (x{ex['disk_margin']} margin): extract will refuse" if short_disk else "")]
     memory("memory per rank (peak)", ex["memory"])
-    lines.append(f"  {'time':<27}{_duration(ex['hours'])}   at {ex['tok_s']:,.0f} tok/s per rank")
+    lines.append(f"  {'time':<27}{_duration(ex['hours'])}   at {ex['tok_s']:,.0f} tok/s per rank ({ex['basis']})")
     lines += ["", "TRAIN"]
     memory("memory per rank (peak)", tr["memory"])
     lines.append(f"  {'time':<27}{_duration(tr['hours'])}   {tr['tokens']:,} tokens at {tr['tok_s']:,.0f} tok/s per rank "
-                 f"({tr['flops_per_token'] / 1e9:.2f} GFLOP/token)" + ("; capped by train.max_minutes" if tr["capped"] else ""))
+                 f"({tr['basis']})" + ("; capped by train.max_minutes" if tr["capped"] else ""))
     lines += ["", "EVAL"]
     memory("memory on rank 0 (peak)", p["eval"]["memory"])
     lines += ["", "Peak = weights and optimizer + the largest of forward, backward and optimizer step. Rates: "
-              "planner.gpu_tflops | cpu_tflops, extract_tok_s | train_tok_s, disk_mb_s. Less memory: "
+              "planner.gpu | cpu (TFLOP/s), extract_tok_s | train_tok_s, disk_mb_s. Less memory: "
               "train.micro_batch_tokens, head.ttt_steps, head.draft_vocab_size, train.zero_stage over more ranks."]
     return "\n".join(lines)
 
