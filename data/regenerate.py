@@ -81,8 +81,11 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[
     return [(a, d) for a, d in zip(answers, done, strict=True)]
 
 
-def cache_file(directory: str, target_fp: str, rcfg, system_prompt: str | None) -> Path:
+def cache_file(directory: str, target_fp: str, rcfg, system_prompt: str | None, thinking: bool | None = None) -> Path:
+    """The cache of one target and generation setting (``data.thinking`` included when set)."""
     settings = f"{target_fp}-n{rcfg.max_new_tokens}-t{rcfg.temperature}-p{rcfg.top_p}-s{rcfg.seed}-{system_prompt!r}"
+    if thinking is not None:
+        settings += f"-thinking{thinking}"
     return Path(directory) / f"{hashlib.sha256(settings.encode()).hexdigest()[:16]}.jsonl"
 
 
@@ -100,12 +103,12 @@ def read_cache(path: Path) -> dict[str, dict]:
     return done
 
 
-def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | None, path: Path) -> dict:
-    """Fill ``path`` with regenerated conversations for every conversation of ``convs``; returns stats.
+def pending(convs: list[dict], system_prompt: str | None, path: Path) -> tuple[dict[str, dict], dict]:
+    """Conversations of ``convs`` still to (finish to) regenerate, keyed by prompt key, and the stats so far.
 
-    Works in rounds: round r answers the r-th user turn of every conversation that has one, in
-    length-sorted batches. After each batch the touched conversations are appended to ``path`` (a
-    later line of the same key supersedes an earlier one; ``complete`` marks finished ones).
+    Compacts ``path`` first (one line per key, a torn last line dropped) so that appending is safe. Each
+    row carries ``users`` (the conversation's user turns; not written to the cache). Every backend starts
+    here, so the cache format and the resume rule are the same for hf, vllm and openai.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     done = read_cache(path)
@@ -125,9 +128,31 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
         state[key] = row
     stats = {"cached": len({prompt_key(with_system(c["messages"], system_prompt)) for c in convs}) - len(state),
              "generated": len(state), "new_tokens": 0, "seconds": 0.0}
+    return state, stats
+
+
+def cache_line(row: dict) -> str:
+    """One cache line of a (partly) regenerated conversation."""
+    return json.dumps({k: v for k, v in row.items() if k != "users"}) + "\n"
+
+
+def eos_ids(tokenizer, generation_config) -> set[int]:
+    """Where an answer ends: the tokenizer's EOS and the generation config's EOS id(s)."""
+    ids = [tokenizer.eos_token_id, *_as_list(getattr(generation_config, "eos_token_id", None))]
+    return {i for i in ids if i is not None}
+
+
+def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | None, path: Path) -> dict:
+    """Fill ``path`` with regenerated conversations for every conversation of ``convs``; returns stats.
+
+    Works in rounds: round r answers the r-th user turn of every conversation that has one, in
+    length-sorted batches. After each batch the touched conversations are appended to ``path`` (a
+    later line of the same key supersedes an earlier one; ``complete`` marks finished ones).
+    """
+    state, stats = pending(convs, system_prompt, path)
     if not state:
         return stats
-    eos = {i for i in [tokenizer.eos_token_id, *_as_list(model.generation_config.eos_token_id)] if i is not None}
+    eos = eos_ids(tokenizer, model.generation_config)
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(rcfg.seed)
     total_turns = sum(len(r["users"]) - _answered(r) for r in state.values())
     log(f"[data] regenerating {len(state)} conversations ({total_turns} answers) with the target; "
@@ -151,7 +176,7 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
                     r["new_tokens"] += len(ids)
                     r["complete"] = _answered(r) == len(r["users"])
                     stats["new_tokens"] += len(ids)
-                    f.write(json.dumps({k: v for k, v in r.items() if k != "users"}) + "\n")
+                    f.write(cache_line(r))
                 f.flush()
                 os.fsync(f.fileno())
                 bar.update(len(batch))

@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_file
 
+from data.engines import regenerate_answers
 from data.formats import (
     DataError,
     humaneval_path,
@@ -31,12 +32,13 @@ from data.formats import (
     read_source,
     to_messages,
 )
-from data.regenerate import cache_file, read_cache, regenerate
-from data.template import check_template, tokenize_conversation, with_system
+from data.regenerate import cache_file, read_cache
+from data.synth import Synthesizer
+from data.template import check_template, set_thinking, tokenize_conversation, with_system
 from data.vocab import build_vocab, coverage, coverage_curve
 from train.log import log, progress
 from train.stages import stage_dir
-from train.target import load_config, load_target, load_tokenizer, target_fingerprint, tokenizer_fingerprint
+from train.target import load_config, load_tokenizer, target_fingerprint, tokenizer_fingerprint
 
 SPLITS = ("train", "validation")
 
@@ -54,12 +56,19 @@ def eval_prompt_set(cfg: DictConfig) -> set[str]:
     return prompts
 
 
-def assign_split(conv: dict, fraction: float, seed: int) -> str:
-    if conv["split"] in SPLITS:
-        return conv["split"]
-    if conv["split"] is not None:
-        raise DataError(f"row {conv['id']}: split must be train or validation, got {conv['split']!r}")
-    return "validation" if random.Random(f"{seed}-{conv['id']}").random() < fraction else "train"
+def assign_splits(convs: list[dict], fraction: float, seed: int) -> None:
+    """Rows with a split of their own keep it. Of the rows without one, ``data.validation_fraction``
+    (default 5%) go to validation: round(fraction x n) rows, at least 1 when fraction > 0 and n >= 2, the
+    first by a seeded hash of their id (a row's split does not depend on the order of its file)."""
+    free = []
+    for conv in convs:
+        if conv["split"] is None:
+            free.append(conv)
+        elif conv["split"] not in SPLITS:
+            raise DataError(f"row {conv['id']}: split must be train or validation, got {conv['split']!r}")
+    n_val = max(1, round(fraction * len(free))) if fraction > 0 and len(free) >= 2 else 0
+    for i, conv in enumerate(sorted(free, key=lambda c: random.Random(f"{seed}-{c['id']}").random())):
+        conv["split"] = "validation" if i < n_val else "train"
 
 
 def run(cfg: DictConfig) -> dict:
@@ -68,27 +77,32 @@ def run(cfg: DictConfig) -> dict:
     start = time.time()
     tokenizer = load_tokenizer(cfg)
     check_template(tokenizer)
+    set_thinking(dcfg.get("thinking"))  # enable_thinking for every render (regeneration, masks)
+    synth = Synthesizer(cfg, tokenizer)
     counts = Counter()
     convs = []
     for source in dcfg.sources:
         source = OmegaConf.to_container(source, resolve=True) if OmegaConf.is_config(source) else dict(source)
-        convs.extend(read_source(source, dcfg.on_error, counts))
+        convs.extend(read_source(source, dcfg.on_error, counts, synth=synth))
     eval_prompts = eval_prompt_set(cfg)
     kept = []
     for conv in convs:
-        conv["split"] = assign_split(conv, dcfg.validation_fraction, cfg.seed)
         if eval_prompts and leaks(conv["messages"], eval_prompts):
             counts["dropped_eval_overlap"] += 1
             continue
         kept.append(conv)
+    assign_splits(kept, dcfg.validation_fraction, cfg.seed)  # after the drops: held-out rows are kept
     if counts["dropped_eval_overlap"]:
         log(f"[data] dropped {counts['dropped_eval_overlap']} conversations overlapping evaluation prompts")
     convs = kept
 
     regen_stats = None
     if dcfg.regenerate:
-        path = cache_file(dcfg.regen.dir, target_fingerprint(cfg), dcfg.regen, dcfg.system_prompt)
-        regen_stats = regenerate(convs, load_target(cfg), tokenizer, dcfg.regen, dcfg.system_prompt, path)
+        path = cache_file(dcfg.regen.dir, target_fingerprint(cfg), dcfg.regen, dcfg.system_prompt, dcfg.get("thinking"))
+        # data.regen.backend: hf (split across ranks under a launcher) | vllm | openai (data/engines.py)
+        regen_stats = regenerate_answers(cfg, convs, tokenizer, path)
+        if regen_stats is None:  # a rank other than 0: its share is written; rank 0 does the rest alone
+            return None
         regen_stats["file"] = str(path)
         cached = read_cache(path)
         for conv in convs:
@@ -160,6 +174,7 @@ def run(cfg: DictConfig) -> dict:
                            "validation": round(coverage(held_out, t2d), 5)},
         "validation_coverage_by_size": coverage_curve(tally["train"][0], held_out, tally["train"][1]),
         "regeneration": regen_stats,
+        "synth": synth.stats or None,  # per synth source: filtering, diversity, cache
         "wall_s": round(time.time() - start, 1),
     }
     (out / "stats.json").write_text(json.dumps(stats, indent=2))
@@ -196,7 +211,9 @@ def _to_datasets(rows: dict[str, list[dict]]):
         "input_ids": datasets.Sequence(datasets.Value("int32")), "loss_mask": datasets.Sequence(datasets.Value("int8")),
         "length": datasets.Value("int32"),
     })
-    return datasets.DatasetDict({s: datasets.Dataset.from_list(rows[s], features=features) for s in SPLITS})
+    # Column-wise: an empty split is a valid empty Dataset (from_list([]) loses the features).
+    return datasets.DatasetDict({s: datasets.Dataset.from_dict({k: [r[k] for r in rows[s]] for k in features},
+                                                               features=features) for s in SPLITS})
 
 
 def load_dataset(cfg: DictConfig):

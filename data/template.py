@@ -6,11 +6,39 @@ gives where its content starts, and rendering up to and including it gives where
 mask covers the tokens in between -- the content and the end-of-turn token, not the header -- and
 stops after the last special token of that span (so formatting newlines after ``<|im_end|>`` are not
 trained on).
+
+Reasoning templates (Qwen3: ``enable_thinking``, ``<think>...</think>`` in assistant turns). ONE
+setting, ``data.thinking`` (``set_thinking``; ``null`` = the template's own default, nothing passed),
+is passed as ``enable_thinking`` to every render here, so regeneration (``prompt_ids``), the training
+sequences (``tokenize_conversation``) and evaluation prompts (``prompt_ids``) agree:
+- ``thinking=true``: the generation prompt ends at the assistant header, the target writes
+  ``<think>reasoning</think>answer`` and the mask covers all of it (reasoning is trained on);
+- ``thinking=false``: the template's empty ``<think>\\n\\n</think>\\n\\n`` block ends the generation
+  prompt, so it is prompt, not trained on; the mask covers the answer and the end-of-turn token.
+Such templates rewrite history (earlier assistant turns lose their ``<think>`` block), so a render up
+to an earlier turn is not a prefix of the whole conversation. For those turns the mask covers the
+turn's final answer as the template renders it in the conversation (reasoning of earlier turns is
+not in the sequence at all, as the target never sees it) and the end-of-turn token after it.
 """
 
 from __future__ import annotations
 
 from data.formats import DataError
+
+SENTINEL = "SPECHEADS-SENTINEL-7f3a"
+_THINKING: bool | None = None
+
+
+def set_thinking(value: bool | None) -> None:
+    """The process-wide ``enable_thinking`` (``data.thinking``) for renders that do not pass one."""
+    global _THINKING
+    _THINKING = None if value is None else bool(value)
+
+
+def template_kwargs(thinking: bool | None = None) -> dict:
+    """Extra template variables: ``enable_thinking`` unless thinking (or the process default) is None."""
+    thinking = _THINKING if thinking is None else thinking
+    return {} if thinking is None else {"enable_thinking": bool(thinking)}
 
 
 def with_system(messages: list[dict], system_prompt: str | None) -> list[dict]:
@@ -28,41 +56,71 @@ def check_template(tokenizer) -> None:
         )
 
 
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, thinking: bool | None = None) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **template_kwargs(thinking))
 
 
-def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+def prompt_ids(tokenizer, messages: list[dict], thinking: bool | None = None) -> list[int]:
     """Token ids of ``messages`` followed by the assistant header (what generation continues)."""
-    return tokenizer(render(tokenizer, messages, True), add_special_tokens=False)["input_ids"]
+    return tokenizer(render(tokenizer, messages, True, thinking), add_special_tokens=False)["input_ids"]
 
 
-def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+def user_turn_prefix(tokenizer, system: str | None = None, thinking: bool | None = None) -> tuple[str, str]:
+    """(text up to where a user turn's content starts, text right after its content) -- the template
+    rendered with a sentinel user message and cut around it. ``system`` replaces the system turn
+    (None: the template's default one, if any)."""
+    messages = with_system([{"role": "user", "content": SENTINEL}], system)
+    text = render(tokenizer, messages, False, thinking)
+    at = text.find(SENTINEL)
+    if at < 0:
+        raise DataError("the chat template does not render the user message verbatim; cannot find where a "
+                        "user turn starts")
+    return text[:at], text[at + len(SENTINEL):]
+
+
+def final_answer(content: str) -> str:
+    """The part of an assistant message after its reasoning (what history renders keep)."""
+    return content.split("</think>")[-1].lstrip("\n") if "</think>" in content else content
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], thinking: bool | None = None) -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) with loss_mask = 1 exactly on assistant tokens (incl. end of turn)."""
-    text = render(tokenizer, messages)
-    spans = []
+    text = render(tokenizer, messages, thinking=thinking)
+    spans = []  # (start, end, eot_after): eot_after -> also the first special token at/after end
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = render(tokenizer, messages[:i], add_generation_prompt=True)
-        upto = render(tokenizer, messages[: i + 1])
-        if not text.startswith(before) or not text.startswith(upto):
+        before = render(tokenizer, messages[:i], add_generation_prompt=True, thinking=thinking)
+        upto = render(tokenizer, messages[: i + 1], thinking=thinking)
+        if text.startswith(before) and text.startswith(upto):
+            spans.append((len(before), len(upto), False))
+            continue
+        # A template that rewrites history (reasoning stripped from earlier turns): locate the turn's answer
+        # right after the history before it.
+        history = render(tokenizer, messages[:i], thinking=thinking) if i else ""
+        answer = final_answer(m["content"])
+        start = text.find(answer, len(history)) if answer and text.startswith(history) else -1
+        if start < 0:
             raise DataError(
                 "the chat template does not render conversations prefix-consistently (turn "
                 f"{i}); assistant masks cannot be derived for it"
             )
-        spans.append((len(before), len(upto)))
+        spans.append((start, start + len(answer), True))
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     special = set(tokenizer.all_special_ids) | {
         i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False)
     }
     mask = [0] * len(ids)
-    for start, end in spans:
+    for start, end, eot_after in spans:
         inside = [j for j, (a, b) in enumerate(offsets) if start <= a < end and b > a]
-        ends = [j for j in inside if ids[j] in special]
-        if ends:
-            inside = [j for j in inside if j <= ends[-1]]
+        if eot_after:
+            inside += [j for j, (a, b) in enumerate(offsets) if a >= end and b > a and ids[j] in special][:1]
+        else:
+            ends = [j for j in inside if ids[j] in special]
+            if ends:
+                inside = [j for j in inside if j <= ends[-1]]
         for j in inside:
             mask[j] = 1
     return ids, mask

@@ -17,7 +17,7 @@ from itertools import chain
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.template import prompt_ids, with_system
+from data.template import prompt_ids, set_thinking, with_system
 from eval.decoder import Generation, SpecDecoder
 from eval.drafters import Drafter, Eagle3Drafter, build_drafter, medusa_choices
 from eval.prompts import EvalPrompt, calibration_prompts, load_prompts
@@ -209,6 +209,7 @@ def run(cfg: DictConfig) -> dict:
     identical_to_plain, divergence_rate, divergence_position, ties, mismatches, acceptance}],
     recommendations, decoder_bugs}, report.md, records.jsonl and plots (fields: eval/report.py)."""
     require(cfg, "train")
+    set_thinking(cfg.data.get("thinking"))  # prompts rendered as the data stage rendered them
     if cfg.eval.num_threads:
         torch.set_num_threads(cfg.eval.num_threads)
     out = stage_dir(cfg, "eval")

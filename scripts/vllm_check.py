@@ -171,8 +171,10 @@ def prompt_ids(cfg: DictConfig, tokenizer, n: int) -> list[list[int]]:
     from omegaconf import OmegaConf
 
     from data.template import prompt_ids as render_ids
-    from data.template import with_system
+    from data.template import set_thinking, with_system
     from eval.prompts import load_prompts
+
+    set_thinking(cfg.data.get("thinking"))  # as the data stage rendered them
 
     picked = load_prompts(OmegaConf.merge(cfg, {"eval": {"datasets": ["builtin"], "questions": None, "limit": n}}))
     return [render_ids(tokenizer, with_system([{"role": "user", "content": p.turns[0]}], cfg.data.system_prompt))

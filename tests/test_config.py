@@ -95,3 +95,74 @@ def test_full_training_preset_extends_the_default():
     default, full = make_cfg([]).train, make_cfg(["train=full"]).train
     assert full.max_minutes is None and full.val_tokens is None and full.lr < default.lr
     assert set(full) == set(default) and full.positions == "assistant"
+
+
+# --- One validation pass (train/checks.py): every enum-like key rejects a typo, listing the valid values.
+
+from train.checks import ENUMS, NUMBERS, problems  # noqa: E402
+
+
+def _cfg_with(key: str, value):
+    """A composed config where ``key`` exists (its head/model/tracking preset), set to ``value``."""
+    for presets in ([], ["head=medusa"], ["tracking=wandb"]):
+        cfg = make_cfg(["model=tiny-llama", *presets])
+        if "[]." in key or OmegaConf.select(cfg, key, default="absent") != "absent":
+            break
+    if "[]." in key:
+        outer, inner = key.split("[].", 1)
+        source = {"path": "mine.jsonl", inner: value} if inner != "type" else {"type": value}
+        OmegaConf.update(cfg, outer, [source], merge=False)
+    else:
+        OmegaConf.update(cfg, key, value, merge=False)
+    return cfg
+
+
+@pytest.mark.parametrize("key", list(ENUMS))
+def test_every_enum_key_rejects_a_typo_listing_valid_values(key):
+    found = problems(_cfg_with(key, "no-such-value"))
+    name = key.replace("[]", "[0]")
+    assert len(found) == 1 and found[0].startswith(f"{name}='no-such-value' is not valid"), found
+    allowed = ENUMS[key](make_cfg(["model=tiny-llama"])) if callable(ENUMS[key]) else ENUMS[key]
+    assert all(("null" if a is None else str(a)) in found[0] for a in allowed), found
+
+
+@pytest.mark.parametrize("key", list(NUMBERS))
+def test_every_sized_key_rejects_a_non_number(key):
+    found = problems(_cfg_with(key, "many"))
+    assert len(found) == 1 and found[0].startswith(f"{key.replace('[]', '[0]')}='many' must be"), found
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("train.epochs=0", "train.epochs=0 must be an integer >= 1"),
+    ("train.micro_batch_tokens=-512", "train.micro_batch_tokens=-512 must be an integer >= 1"),
+    ("head.draft_vocab_size=1.5", "head.draft_vocab_size=1.5 must be an integer >= 1"),
+    ("data.validation_fraction=1.0", "data.validation_fraction=1.0 must be a number in [0, 1)"),
+    ("train.lr=0", "train.lr=0 must be a number > 0"),
+    ("eval.tree.total_tokens=0", "eval.tree.total_tokens=0 must be an integer >= 1 or auto"),
+    ("device=cuda:x", "device='cuda:x' is not valid"),
+    ("export.formats=[medusa]", "export.formats='medusa' is not valid; valid values: auto, vllm, speculators, sglang"),
+    ("data.sources=[{pth:x.jsonl}]", "data.sources[0] has unknown key(s) ['pth']"),
+])
+def test_ranges_and_head_dependent_values(override, message):
+    found = problems(make_cfg(["model=tiny-llama", override]))
+    assert any(p.startswith(message) for p in found), found
+
+
+@pytest.mark.parametrize("model", [*MODELS, "tiny-qwen3"])
+@pytest.mark.parametrize("head", ["eagle3", "medusa"])
+def test_every_preset_passes_validation(model, head):
+    for extra in ([], ["train=full"], ["tracking=wandb"], ["device=cuda:1", "eval.methods=[plain,ngram]"]):
+        assert problems(make_cfg([f"model={model}", f"head={head}", *extra])) == []
+
+
+def test_all_problems_are_reported_at_once():
+    from train.checks import validate
+    from train.errors import ConfigError, UserError
+
+    with pytest.raises(ConfigError) as info:
+        validate(make_cfg(["model=tiny-llama", "data.overflow=cut", "data.on_error=ignore", "dtype=fp8"]))
+    text = str(info.value)
+    assert isinstance(info.value, UserError) and "\n" not in text
+    for part in ("data.overflow='cut'", "truncate, drop", "data.on_error='ignore'", "raise, skip",
+                 "dtype='fp8'", "auto, float32, bfloat16, float16"):
+        assert part in text

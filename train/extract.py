@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 from data.stage import load_dataset, row_lengths
 from heads.io import head_config
 from train import dist
+from train.errors import UserError
 from train.log import log, progress
 from train.losses import full_argmax
 from train.stages import fingerprint, require, stage_dir
@@ -51,7 +52,7 @@ from train.target import (
 SPLITS = ("train", "validation")
 
 
-class ExtractError(RuntimeError):
+class ExtractError(UserError, RuntimeError):
     pass
 
 

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 
 from heads.eagle3 import TTTCache
 from heads.io import build_head, head_config
+from train.errors import ConfigError, UserError
 from train.extract import capture_layers
 from train.log import log
 from train.stages import stage_dir
@@ -43,7 +44,7 @@ GiB = 2**30
 F32 = 4  # bytes of the fp32 tensors the losses and the optimizer keep whatever the training dtype
 
 
-class MemoryShortError(RuntimeError):
+class MemoryShortError(UserError, RuntimeError):
     pass
 
 
@@ -157,10 +158,13 @@ def _count_rows(cfg: DictConfig) -> int:
     total = 0
     for source in cfg.data.sources:
         kind = source.get("type")
+        if kind == "synth":  # prompts the target writes: as many as asked for
+            total += source.n
+            continue
         path = BUILTIN if kind == "builtin" else humaneval_path() if kind == "humaneval" else source.get("path")
         if path is None:
-            raise ValueError(f"the planner cannot count the rows of data source {dict(source)} (a Hub dataset): "
-                             "set planner.rows (conversations) or planner.tokens, or run the data stage first")
+            raise ConfigError(f"the planner cannot count the rows of data source {dict(source)} (a Hub dataset): "
+                              "set planner.rows (conversations) or planner.tokens, or run the data stage first")
         total += sum(1 for _ in itertools.islice(read_rows(path, "skip", Counter()), source.get("limit")))
     return total
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from train.errors import UserError
 from train.export import FORMATS
 from train.log import log
 from train.stages import require, stage_dir
@@ -22,7 +23,7 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-
 ALLOWED = {"config.json", "model.safetensors", "README.md", "generation_config.json"}
 
 
-class PublishError(ValueError):
+class PublishError(UserError, ValueError):
     pass
 
 

@@ -7,6 +7,7 @@ runs this file; extract and train split their work across ranks.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -22,14 +23,27 @@ for arg in list(sys.argv[1:]):
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from train.errors import UserError  # noqa: E402
+
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except UserError as e:  # a user's mistake: one line naming the fix, status 1 (bugs keep their traceback)
+        if debug(cfg):
+            raise
+        exit_with(e)
+
+
+def run(cfg: DictConfig) -> None:
     from train import dist
+    from train.checks import validate
     from train.stages import run_stages
     from train.target import resolve_device
     from train.tracking import finish
 
+    validate(cfg)  # every enum, size and share at once, before any plan, weight or stage
     quiet_libraries()
     if cfg.plan:  # before any process group, weights or stage: rank 0 prints, every rank exits
         from train.plan import print_plan
@@ -42,6 +56,26 @@ def main(cfg: DictConfig) -> None:
         run_stages(cfg)
     finally:
         finish()
+
+
+def debug(cfg: DictConfig | None = None) -> bool:
+    """``SPECHEADS_DEBUG=1`` (or ``+debug=true``): user errors show their traceback too."""
+    return os.environ.get("SPECHEADS_DEBUG", "0") not in ("", "0", "false") or bool(cfg and cfg.get("debug"))
+
+
+def exit_with(error: BaseException) -> None:
+    """Print ``error`` as one line on stderr (and into the run's log file), then exit with status 1.
+    Every rank exits non-zero; under a launcher the line names the rank."""
+    from train import dist
+
+    rank = f" (rank {dist.rank()})" if dist.world_size() > 1 else ""
+    line = f"error{rank}: " + " ".join(str(error).split())
+    record = logging.LogRecord("specheads", logging.ERROR, __file__, 0, line, None, None)
+    for handler in logging.getLogger().handlers:  # Hydra's run-directory log file, not the console
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+    print(line, file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 def quiet_libraries() -> None:

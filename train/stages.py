@@ -20,6 +20,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from train import dist
+from train.errors import MissingStageError
 from train.log import log
 
 ORDER = ["data", "extract", "train", "eval", "export", "publish"]
@@ -80,7 +81,7 @@ def require(cfg: DictConfig, name: str) -> dict:
     """The marker of an upstream stage, or a clear error saying which stage to run first."""
     marker = read_marker(cfg, name)
     if marker is None:
-        raise FileNotFoundError(
+        raise MissingStageError(
             f"Stage {name!r} has no complete output in {stage_dir(cfg, name)}. Run it first, e.g. "
             f"`python train/run.py stages=[{name}]` with the same model/head/data overrides."
         )
@@ -119,11 +120,22 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
                 raise
             marker = _write_marker(cfg, name, fp, start, out)
         else:  # no collective stays open while rank 0 works alone (hours of regeneration are fine)
+            if shares_work(cfg, name):  # this rank's share first (it signals rank 0 by a file), then wait
+                importlib.import_module(ENTRY[name]).run(cfg)
             marker = wait_for_marker(cfg, name, fp)
         dist.barrier()
         log(f"[{name}] done in {marker['wall_s']} s")
         results[name] = marker
     return results
+
+
+def shares_work(cfg: DictConfig, name: str) -> bool:
+    """Whether the other ranks also enter the rank-0 stage ``name`` for a part of its work: the data stage's
+    ``hf`` regeneration is split across ranks (data/engines.py); they return after their share. Not with a
+    ``synth`` source: its prompts are generated (and cached) by rank 0 alone, so rank 0 also regenerates."""
+    return (name == "data" and dist.world_size() > 1 and bool(cfg.data.regenerate)
+            and cfg.data.regen.get("backend", "hf") == "hf"
+            and not any(s.get("type") == "synth" for s in cfg.data.sources))
 
 
 def _write_marker(cfg: DictConfig, name: str, fp: str, start: float, out: dict | None) -> dict:

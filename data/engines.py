@@ -1,0 +1,492 @@
+"""Regeneration backends (``data.regen.backend``): ``hf`` | ``vllm`` | ``openai``.
+
+All three fill the same resumable cache file (:mod:`data.regenerate`: one JSON line per finished turn,
+appended and fsync'ed, the last line of a key wins) from the same prompts: the conversation rendered with
+the TARGET's chat template by :func:`data.template.prompt_ids`, and the same sampling settings
+(``data.regen.temperature``/``top_p``/``max_new_tokens``, the tokenizer's and generation config's EOS ids).
+
+- ``hf``: batched generation in this process (:func:`data.regenerate.regenerate`). Under
+  ``deepspeed``/``torchrun`` every rank regenerates its share (conversation i of the de-duplicated list
+  goes to rank i mod world size) into its own part file next to the cache and signals the end with a done
+  file; rank 0 waits on those files (no collective is held open while ranks generate), merges the parts
+  into the cache and carries on with the data stage alone. One process behaves exactly as before.
+- ``openai``: an OpenAI-compatible server the user runs (``data.regen.url``: vLLM, SGLang, ...); see
+  :class:`OpenAIClient` for why prompts go to ``/v1/completions`` as token ids.
+- ``vllm``: the project starts vLLM's OpenAI server for the target (:class:`VLLMServer`), regenerates
+  through the ``openai`` client, and stops the server, also on errors and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from data.formats import DataError, prompt_key
+from data.regenerate import _answered, cache_line, eos_ids, pending, read_cache, regenerate
+from data.template import prompt_ids, with_system
+from train import dist
+from train.log import log, progress
+
+ROOT = Path(__file__).resolve().parents[1]
+BACKENDS = ("hf", "vllm", "openai")
+SERVED_NAME = "specheads-target"
+
+
+class RegenError(DataError):
+    """Regeneration could not go on; the message says what failed. Answers already written are kept."""
+
+
+def regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path) -> dict | None:
+    """Regenerate every conversation of ``convs`` into the cache ``path`` with ``data.regen.backend``.
+
+    Returns the regeneration stats on rank 0, ``None`` on the other ranks (their share is written; rank 0
+    does the rest of the data stage).
+    """
+    rcfg = cfg.data.regen
+    backend = rcfg.get("backend", "hf")
+    if backend not in BACKENDS:
+        raise RegenError(f"data.regen.backend must be one of {' | '.join(BACKENDS)}, got {backend!r}")
+    system_prompt = cfg.data.system_prompt
+    if backend == "hf":
+        from train.stages import shares_work
+        from train.target import load_target
+
+        if not shares_work(cfg, "data"):  # one process (or rank 0 alone): exactly as before
+            stats = regenerate(convs, load_target(cfg), tokenizer, rcfg, system_prompt, path)
+        else:
+            stats = regenerate_sharded(cfg, convs, tokenizer, path)
+        return None if stats is None else {"backend": "hf", "world_size": dist.world_size(), **stats}
+    eos = eos_ids(tokenizer, _generation_config(cfg))
+    if backend == "openai":
+        if not rcfg.get("url"):
+            raise RegenError("data.regen.backend=openai needs data.regen.url, the base URL of an OpenAI-compatible "
+                             "server, e.g. data.regen.url=http://host:8000/v1")
+        client = OpenAIClient(rcfg.url, rcfg.get("model"), rcfg.timeout_s, rcfg.retries)
+        return {"backend": "openai", "url": rcfg.url,
+                **regenerate_openai(convs, tokenizer, rcfg, system_prompt, path, client, eos)}
+    from train.stages import stage_dir
+
+    log_file = stage_dir(cfg, "data") / "vllm_server.log"
+    with VLLMServer(cfg, log_file) as server:
+        client = OpenAIClient(server.url, SERVED_NAME, rcfg.timeout_s, rcfg.retries)
+        stats = regenerate_openai(convs, tokenizer, rcfg, system_prompt, path, client, eos)
+    return {"backend": "vllm", "server_log": str(log_file), **stats}
+
+
+def _generation_config(cfg: DictConfig):
+    """The target's generation config (its EOS ids), without loading weights; None when it has none."""
+    from transformers import GenerationConfig
+
+    from train.target import _offline, target_path
+
+    try:
+        return GenerationConfig.from_pretrained(target_path(cfg), revision=cfg.model.revision,
+                                                local_files_only=_offline())
+    except OSError:
+        return None
+
+
+# --- hf across ranks --------------------------------------------------------------------------------------
+
+def part_files(path: Path, rank: int, world: int) -> tuple[Path, Path, Path]:
+    """(part, done, failed) files of one rank next to the cache file."""
+    stem = f"{path.stem}.rank{rank}of{world}"
+    return tuple(path.parent / f"{stem}{ext}" for ext in (".jsonl", ".done", ".failed"))
+
+
+def shares(convs: list[dict], system_prompt: str | None, world: int) -> list[list[dict]]:
+    """Conversations per rank: the i-th distinct prompt key goes to rank i mod world (every rank reads the
+    same sources in the same order, so every rank computes the same split)."""
+    order: dict[str, int] = {}
+    out: list[list[dict]] = [[] for _ in range(world)]
+    for c in convs:
+        key = prompt_key(with_system(c["messages"], system_prompt))
+        i = order.setdefault(key, len(order))
+        out[i % world].append(c)
+    return out
+
+
+def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path, poll_s: float = 2.0) -> dict | None:
+    """``hf`` regeneration split across the ranks; rank 0 merges the parts into ``path`` (see module doc)."""
+    from train.target import load_target
+
+    rank, world, system_prompt = dist.rank(), dist.world_size(), cfg.data.system_prompt
+    rcfg = cfg.data.regen
+    cached = read_cache(path)
+
+    def todo(share: list[dict]) -> list[dict]:
+        return [c for c in share if not cached.get(prompt_key(with_system(c["messages"], system_prompt)),
+                                                   {}).get("complete")]
+
+    mine = todo(shares(convs, system_prompt, world)[rank])
+    part, done, failed = part_files(path, rank, world)
+    done.unlink(missing_ok=True)
+    failed.unlink(missing_ok=True)
+    # Short and right after every rank read its sources: from here on no rank sees a stale done file.
+    dist.barrier()
+    try:
+        if mine:
+            log(f"[data] rank {rank}/{world}: regenerating its share of {len(mine)} conversations into {part}")
+            stats = regenerate(mine, load_target(cfg), tokenizer, rcfg, system_prompt, part)
+        else:
+            stats = {"cached": 0, "generated": 0, "new_tokens": 0, "seconds": 0.0}
+    except BaseException as e:
+        failed.write_text(json.dumps({"rank": rank, "error": repr(e)}))
+        raise
+    tmp = done.parent / (done.name + ".tmp")
+    tmp.write_text(json.dumps({"rank": rank, "world": world, "stats": stats}))
+    os.replace(tmp, done)
+    if rank != 0:
+        return None
+
+    per_rank = [todo(s) for s in shares(convs, system_prompt, world)]
+    rank_stats = {}
+    waiting = set(range(world))
+    start = time.time()
+    while waiting:
+        for r in sorted(waiting):
+            r_part, r_done, r_failed = part_files(path, r, world)
+            if r_failed.exists():
+                raise RegenError(f"regeneration failed on rank {r}: {json.loads(r_failed.read_text())['error']} "
+                                 f"(answers written so far are kept in {r_part}; a rerun resumes)")
+            if r_done.exists():
+                rank_stats[r] = json.loads(r_done.read_text())["stats"]
+                waiting.discard(r)
+        if waiting:
+            time.sleep(poll_s)
+    log(f"[data] every rank has regenerated its share; merging {world} parts into {path} "
+        f"(waited {time.time() - start:.0f} s)")
+    with open(path, "a", encoding="utf-8") as f:
+        for r in range(world):
+            r_part = part_files(path, r, world)[0]
+            rows = read_cache(r_part)
+            for c in per_rank[r]:
+                key = prompt_key(with_system(c["messages"], system_prompt))
+                if not rows.get(key, {}).get("complete"):
+                    raise RegenError(f"rank {r} reported its share done but {r_part} lacks conversation {key}")
+                f.write(json.dumps(rows[key]) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    for r in range(world):
+        for p in part_files(path, r, world)[:2]:
+            p.unlink(missing_ok=True)
+    stats = {k: sum(s[k] for s in rank_stats.values()) for k in ("generated", "new_tokens")}
+    total = len({prompt_key(with_system(c["messages"], system_prompt)) for c in convs})
+    stats = {"cached": total - stats["generated"], **stats}
+    stats["seconds"] = max(s["seconds"] for s in rank_stats.values())
+    stats["tokens_per_s"] = round(stats["new_tokens"] / max(stats["seconds"], 1e-9), 1)
+    stats["per_rank"] = [rank_stats[r] for r in range(world)]
+    return stats
+
+
+# --- an OpenAI-compatible server ------------------------------------------------------------------------
+
+class OpenAIClient:
+    """A minimal client of an OpenAI-compatible server (standard library only), with a per-request
+    timeout, retries with back-off on connection errors, timeouts, HTTP 429 and 5xx, and errors that
+    say what went wrong.
+
+    Prompts go to ``/v1/completions`` as TOKEN IDS rendered here by the target's own chat template
+    (:func:`data.template.prompt_ids`), not to ``/v1/chat/completions``: the chat endpoint would render the
+    messages with the server's template and tokenizer settings (a different default system prompt, a
+    duplicated BOS, another template revision or ``--chat-template``), and the answers would no longer be
+    continuations of exactly the tokens the hf backend, the extract stage and the head see. With token ids
+    the server does no templating or tokenisation at all. ``return_token_ids`` (vLLM) gives the answer's
+    ids, decoded here like the hf backend does; servers without it give text.
+    """
+
+    def __init__(self, url: str, model: str | None, timeout_s: float, retries: int, backoff_s: float = 1.0):
+        self.base = url.rstrip("/")
+        self.model = model
+        self.timeout_s = float(timeout_s)
+        self.retries = int(retries)
+        self.backoff_s = backoff_s
+
+    def _request(self, route: str, body: dict | None = None) -> dict:
+        url = f"{self.base}/{route}"
+        data = None if body is None else json.dumps(body).encode()
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), 30.0))
+            req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+                                         method="GET" if body is None else "POST")
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    return json.loads(resp.read().decode())
+            except urllib.error.HTTPError as e:
+                text = e.read().decode(errors="replace")[:2000]
+                last = f"HTTP {e.code} from {url}: {text}"
+                if e.code != 429 and e.code < 500:
+                    break  # the request itself is wrong: retrying would not help
+            except TimeoutError:
+                last = f"no answer from {url} within data.regen.timeout_s={self.timeout_s:g} s"
+            except urllib.error.URLError as e:
+                if isinstance(e.reason, (TimeoutError, socket.timeout)):
+                    last = f"no answer from {url} within data.regen.timeout_s={self.timeout_s:g} s"
+                else:
+                    last = f"cannot reach {url} ({e.reason}): is the server running and data.regen.url right?"
+            except (http.client.HTTPException, ConnectionError, OSError) as e:
+                last = f"connection to {url} lost ({e!r}): did the server stop?"
+            except json.JSONDecodeError as e:
+                last = f"{url} did not answer JSON ({e})"
+        tries = f" (after {self.retries + 1} tries)" if self.retries else ""
+        raise RegenError(last + tries)
+
+    def resolve_model(self) -> str:
+        """The model name requests carry: data.regen.model, else the first model the server lists."""
+        if not self.model:
+            models = self._request("models").get("data") or []
+            if not models:
+                raise RegenError(f"{self.base}/models lists no model; set data.regen.model")
+            self.model = models[0]["id"]
+        return self.model
+
+    def complete(self, ids: list[int], rcfg, eos: set[int]) -> dict:
+        """One answer: the first choice of ``/completions`` for the prompt token ids, with ``usage``."""
+        body = {"model": self.resolve_model(), "prompt": ids, "max_tokens": int(rcfg.max_new_tokens),
+                "temperature": float(rcfg.temperature), "top_p": float(rcfg.top_p), "n": 1, "stream": False,
+                # what the hf backend does: no top-k/min-p/penalties (whatever the model's generation
+                # config proposes), stop at exactly its EOS ids
+                "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                "frequency_penalty": 0.0, "stop_token_ids": sorted(eos), "skip_special_tokens": True,
+                "return_token_ids": True}
+        if rcfg.temperature > 0:
+            body["seed"] = int(rcfg.seed)
+        out = self._request("completions", body)
+        try:
+            choice = out["choices"][0]
+        except (KeyError, IndexError, TypeError):
+            raise RegenError(f"{self.base}/completions answered without choices: {str(out)[:500]}") from None
+        choice["usage"] = out.get("usage") or {}
+        return choice
+
+
+def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | None, path: Path,
+                      client: OpenAIClient, eos: set[int]) -> dict:
+    """Fill ``path`` like :func:`data.regenerate.regenerate`, through an OpenAI-compatible server.
+
+    ``data.regen.concurrency`` conversations are in flight at once; each runs its user turns in order (its
+    own earlier answers in the context). Every finished turn is appended and fsync'ed at once. On the first
+    error no new conversation starts, the ones in flight finish (or fail) and the error is raised: what was
+    written stays, and a rerun resumes from it.
+    """
+    state, stats = pending(convs, system_prompt, path)
+    if not state:
+        return stats
+    client.resolve_model()  # an unreachable server fails here, before any work
+    total_turns = sum(len(r["users"]) - _answered(r) for r in state.values())
+    log(f"[data] regenerating {len(state)} conversations ({total_turns} answers) via {client.base} "
+        f"(model {client.model!r}, {rcfg.concurrency} at once); {stats['cached']} cached in {path}")
+    lock, stop = threading.Lock(), threading.Event()  # the tokenizer is not thread-safe: used under the lock
+    bar = progress(total=total_turns, desc="regenerate", unit="answer")
+    start = time.time()
+
+    def converse(row: dict, f) -> None:
+        for turn in range(_answered(row), len(row["users"])):
+            if stop.is_set():
+                return
+            with lock:
+                ids = prompt_ids(tokenizer, row["messages"] + [row["users"][turn]])
+            choice = client.complete(ids, rcfg, eos)
+            hit_eos = choice.get("finish_reason") == "stop"
+            with lock:
+                if choice.get("token_ids") is not None:
+                    new = list(choice["token_ids"])
+                    if hit_eos and new and new[-1] in eos:
+                        new = new[:-1]
+                    text, n = tokenizer.decode(new, skip_special_tokens=True), len(new)
+                else:
+                    text = choice.get("text", "")
+                    n = int(choice["usage"].get("completion_tokens", 0)) - int(hit_eos)
+                row["messages"] += [row["users"][turn], {"role": "assistant", "content": text}]
+                row["truncated"] |= not hit_eos
+                row["new_tokens"] += n
+                row["complete"] = _answered(row) == len(row["users"])
+                stats["new_tokens"] += n
+                f.write(cache_line(row))
+                f.flush()
+                os.fsync(f.fileno())
+                bar.update(1)
+
+    errors = []
+    with open(path, "a", encoding="utf-8") as f, \
+            futures.ThreadPoolExecutor(max_workers=max(1, int(rcfg.concurrency))) as pool:
+        jobs = [pool.submit(converse, row, f) for row in state.values()]
+        try:
+            for job in futures.as_completed(jobs):
+                if not job.cancelled() and job.exception() is not None and not errors:
+                    errors.append(job.exception())
+                    stop.set()
+                    for j in jobs:
+                        j.cancel()
+        except BaseException:  # Ctrl-C: no new turn starts; the ones in flight end within timeout_s
+            stop.set()
+            for j in jobs:
+                j.cancel()
+            raise
+    bar.close()
+    stats["seconds"] = round(time.time() - start, 1)
+    stats["tokens_per_s"] = round(stats["new_tokens"] / max(stats["seconds"], 1e-9), 1)
+    if errors:
+        written = sum(1 for r in read_cache(path).values() if r.get("complete"))
+        raise RegenError(f"regeneration through {client.base} failed: {errors[0]}. {written} complete "
+                         f"conversations are kept in {path}; rerun to resume") from errors[0]
+    log(f"[data] regenerated {stats['new_tokens']} tokens in {stats['seconds']} s ({stats['tokens_per_s']} tok/s)")
+    return stats
+
+
+# --- a vLLM server for the target -------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the server's process (Linux): SIGTERM when the data stage's process dies, even by SIGKILL, so a
+    killed run leaves no server behind (its own session keeps Ctrl-C of the terminal for our handler)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class VLLMServer:
+    """vLLM's OpenAI-compatible server for the target, as a context manager: started on enter, ready when
+    ``/health`` answers, stopped (its whole process group: SIGTERM, then SIGKILL) on exit, also on errors
+    and Ctrl-C. Output goes to ``log_file``; a server that cannot start raises naming the log and its tail.
+
+    ``data.regen.vllm``: ``python`` (an interpreter with vLLM; null: ``<project>/.venv-vllm/bin/python``
+    from ``make vllm-env``, else ``vllm`` on PATH), ``args`` (passed through, e.g. tensor/data parallel),
+    ``host``, ``port`` (null: a free one), ``startup_timeout_s``, ``dtype`` (auto: float32 without a GPU,
+    vLLM's choice with one), ``max_model_len``, ``env`` (extra environment). The engine does not apply
+    the model's generation_config defaults (``--generation-config vllm``): requests carry every setting.
+    """
+
+    def __init__(self, cfg: DictConfig, log_file: Path):
+        from train.target import target_path
+
+        self.vcfg = cfg.data.regen.vllm
+        self.target = target_path(cfg)
+        self.seed = int(cfg.data.regen.seed)
+        self.log_file = Path(log_file)
+        self.host = self.vcfg.host
+        self.port = int(self.vcfg.port or _free_port())
+        self.url = f"http://{self.host}:{self.port}/v1"
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        python = self.vcfg.python
+        if not python and (ROOT / ".venv-vllm" / "bin" / "python").exists():
+            python = str(ROOT / ".venv-vllm" / "bin" / "python")
+        if python:
+            cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.target]
+        elif shutil.which("vllm"):
+            cmd = ["vllm", "serve", self.target]
+        else:
+            raise RegenError("no vLLM found for data.regen.backend=vllm: build .venv-vllm with `make vllm-env`, "
+                             "put `vllm` on PATH, or set data.regen.vllm.python")
+        dtype = self.vcfg.dtype
+        if dtype == "auto":
+            import torch
+
+            dtype = "auto" if torch.cuda.is_available() else "float32"
+        cmd += ["--host", self.host, "--port", str(self.port), "--served-model-name", SERVED_NAME,
+                "--dtype", dtype, "--seed", str(self.seed), "--generation-config", "vllm"]
+        if self.vcfg.max_model_len:
+            cmd += ["--max-model-len", str(self.vcfg.max_model_len)]
+        return cmd + [str(a) for a in self.vcfg.args]
+
+    def environment(self) -> dict:
+        # Not the launcher's rank variables (vLLM would take them for its own process group).
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        import torch
+
+        if not torch.cuda.is_available():
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache (vLLM's CPU default is larger)
+        env.update({str(k): str(v) for k, v in (OmegaConf.to_container(self.vcfg.env, resolve=True) if self.vcfg.env else {}).items()})
+        return env
+
+    def __enter__(self) -> VLLMServer:
+        cmd = self.command()
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_file, "w") as logf:
+            logf.write("$ " + " ".join(cmd) + "\n")
+            logf.flush()
+            try:
+                self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=self.environment(),
+                                             start_new_session=True, preexec_fn=_die_with_parent)
+            except OSError as e:
+                raise RegenError(f"cannot start the vLLM server ({e}); check data.regen.vllm.python. "
+                                 f"Command in {self.log_file}") from e
+        log(f"[data] starting vLLM for {self.target} on {self.url} (log: {self.log_file})")
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.time() + float(self.vcfg.startup_timeout_s)
+        health = f"http://{self.host}:{self.port}/health"
+        while time.time() < deadline:
+            code = self.proc.poll()
+            if code is not None:
+                raise RegenError(f"the vLLM server exited with status {code} before it was ready; log "
+                                 f"{self.log_file}, last lines:\n{_tail(self.log_file)}")
+            try:
+                with urllib.request.urlopen(health, timeout=5) as resp:
+                    if resp.status == 200:
+                        log(f"[data] vLLM ready on {self.url}")
+                        return
+            except (OSError, http.client.HTTPException):
+                pass
+            time.sleep(1.0)
+        raise RegenError(f"the vLLM server was not ready within data.regen.vllm.startup_timeout_s="
+                         f"{self.vcfg.startup_timeout_s} s; log {self.log_file}, last lines:\n{_tail(self.log_file)}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        if self.proc is not None:
+            log(f"[data] vLLM server stopped (log: {self.log_file})")

@@ -1,0 +1,280 @@
+"""Prompts written by the target itself (Magpie-style): the ``synth`` data source.
+
+``data.sources: [{type: synth, n: N}]``: the target's own chat template is rendered up to where a user
+turn's content starts (``data.template.user_turn_prefix``: a sentinel user message, cut before it; e.g.
+ChatML ``<|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\n``) and the target continues it; the
+text up to its end-of-turn token is a prompt. Optional ``hints: [{category, hint}]`` replace the system
+turn of that prefix to steer topics (cycled over the attempts). Generation is
+``data.regenerate.generate`` (batched, temperature/top-p sampling), one ``torch.Generator`` per batch
+seeded from (seed, batch index): the same seed gives the same prompts, and a resumed run the same
+prompts as an uninterrupted one.
+
+Filtering, in attempt order: ``truncated`` (no end-of-turn within max_new_tokens), ``empty``,
+``too_short`` (< min_chars), ``duplicate`` (equal normalised text), ``near_duplicate`` (character
+5-gram Jaccard >= ``near_duplicate`` with a kept prompt; candidates found by MinHash-LSH, then checked
+exactly). The first ``n`` kept prompts are the source's rows; they are prompt-only conversations whose
+answers the data stage regenerates.
+
+Resume: every generated batch is one line appended to a cache file (flushed and fsync'd) keyed by the
+target and the generation settings, not by ``n``: a rerun, or a larger ``n``, replays the cached
+batches through the filter and generates only the batches after them. Line:
+``{"batch": b, "outputs": [{"text", "category", "tokens", "hit_eos"}, ...]}`` (a torn last line is ignored).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import statistics
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from filelock import FileLock
+
+from data.formats import DataError
+from data.regenerate import generate
+from data.template import user_turn_prefix
+from train.log import log
+
+DEFAULTS = {
+    "n": 100,               # prompts wanted (kept after filtering)
+    "batch_size": 32,       # attempts per generate call
+    "max_new_tokens": 128,  # per prompt; longer ones are dropped as truncated
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "seed": None,           # None: the run's seed
+    "hints": [],            # [{category, hint}]: system turns steering the topic, cycled
+    "near_duplicate": 0.7,  # Jaccard of character 5-grams at or above which a prompt is a near-duplicate
+    "min_chars": 10,        # shorter prompts are dropped
+    "max_attempts": None,   # None: 4 x n + batch_size (stops a target that keeps repeating itself)
+}
+HIST_BINS = (1, 5, 10, 20, 40, 80, 160)
+
+
+def _normalise(text: str) -> str:
+    return re.sub(r"\W+", " ", text.lower()).strip()
+
+
+class PromptFilter:
+    """Exact (normalised) and near-duplicate (character n-gram Jaccard, MinHash-LSH candidates) filter."""
+
+    def __init__(self, threshold: float = 0.7, min_chars: int = 10, ngram: int = 5, bands: int = 16, rows: int = 4):
+        self.threshold, self.min_chars, self.ngram, self.bands, self.rows = threshold, min_chars, ngram, bands, rows
+        rng = np.random.default_rng(0)
+        # Multiply-shift hashing mod 2**64 (odd 64-bit multipliers; the top 32 bits of the wrapped product).
+        self.a = rng.integers(0, 2**64, bands * rows, dtype=np.uint64, endpoint=False) | np.uint64(1)
+        self.b = rng.integers(0, 2**64, bands * rows, dtype=np.uint64, endpoint=False)
+        self.exact: set[str] = set()
+        self.shingles: list[set[str]] = []
+        self.buckets: dict[tuple, list[int]] = {}
+
+    def _shingles(self, norm: str) -> set[str]:
+        n = self.ngram
+        return {norm[i: i + n] for i in range(len(norm) - n + 1)} if len(norm) > n else {norm}
+
+    def _signature(self, shingles: set[str]) -> np.ndarray:
+        x = np.array([int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little")
+                      for s in shingles], dtype=np.uint64)
+        return ((self.a[:, None] * x[None, :] + self.b[:, None]) >> np.uint64(32)).min(1)  # wraps mod 2**64
+
+    def check(self, text: str) -> str | None:
+        """None and remember ``text`` when it is kept, else the reason it is dropped."""
+        if not text.strip():
+            return "empty"
+        if len(text.strip()) < self.min_chars:
+            return "too_short"
+        norm = _normalise(text)
+        if norm in self.exact:
+            return "duplicate"
+        shingles = self._shingles(norm)
+        sig = self._signature(shingles)
+        keys = [(band, sig[band * self.rows: (band + 1) * self.rows].tobytes()) for band in range(self.bands)]
+        candidates = {j for k in keys for j in self.buckets.get(k, ())}
+        for j in candidates:
+            other = self.shingles[j]
+            if len(shingles & other) / len(shingles | other) >= self.threshold:
+                return "near_duplicate"
+        self.exact.add(norm)
+        self.shingles.append(shingles)
+        for k in keys:
+            self.buckets.setdefault(k, []).append(len(self.shingles) - 1)
+        return None
+
+
+def diversity(prompts: list[str], tokenizer=None) -> dict:
+    """distinct-1/2 (unique / total word n-grams), word-length histogram and mean tokens of ``prompts``."""
+    words = [p.lower().split() for p in prompts]
+    uni = [w for ws in words for w in ws]
+    bi = [tuple(ws[i: i + 2]) for ws in words for i in range(len(ws) - 1)]
+    lengths = [len(ws) for ws in words]
+    edges = [*HIST_BINS, float("inf")]
+    hist = {(f"{lo}-{hi - 1}" if hi != float("inf") else f"{lo}+"): sum(lo <= n < hi for n in lengths)
+            for lo, hi in zip(edges[:-1], edges[1:], strict=True)}
+    out = {
+        "distinct_1": round(len(set(uni)) / max(len(uni), 1), 4),
+        "distinct_2": round(len(set(bi)) / max(len(bi), 1), 4),
+        "words_mean": round(statistics.fmean(lengths), 1) if lengths else 0.0,
+        "words_median": statistics.median(lengths) if lengths else 0,
+        "words_histogram": hist,
+    }
+    if tokenizer is not None and prompts:
+        out["tokens_mean"] = round(statistics.fmean(len(tokenizer(p, add_special_tokens=False)["input_ids"])
+                                                    for p in prompts), 1)
+    return out
+
+
+def settings(source: dict, seed: int) -> dict:
+    """The source's settings with defaults; unknown keys are an error."""
+    known = {*DEFAULTS, "type", "name", "split", "limit", "format"}
+    unknown = sorted(set(source) - known)
+    if unknown:
+        raise DataError(f"synth source: unknown keys {unknown} (known: {sorted(known)})")
+    s = {**DEFAULTS, **{k: v for k, v in source.items() if k in DEFAULTS}}
+    s["seed"] = seed if s["seed"] is None else s["seed"]
+    s["hints"] = [dict(h) for h in s["hints"] or []]
+    for h in s["hints"]:
+        if not h.get("hint") or not h.get("category"):
+            raise DataError(f"synth source: each hint needs category and hint, got {h}")
+    if s["max_attempts"] is None:
+        s["max_attempts"] = 4 * s["n"] + s["batch_size"]
+    return s
+
+
+def cache_file(directory: str | Path, target_fp: str, s: dict) -> Path:
+    """Keyed by the target and everything that changes the generated text, not by n."""
+    key = {k: s[k] for k in ("batch_size", "max_new_tokens", "temperature", "top_p", "seed", "hints")}
+    digest = hashlib.sha256(json.dumps([target_fp, key], sort_keys=True).encode()).hexdigest()[:16]
+    return Path(directory) / f"{digest}.jsonl"
+
+
+def read_batches(path: Path) -> list[dict]:
+    """The cached batches 0, 1, ... in order (stops at a torn line or a gap)."""
+    batches = []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if row.get("batch") != len(batches):
+                break
+            batches.append(row)
+    return batches
+
+
+def _batch_generator(device, seed: int, batch: int) -> torch.Generator:
+    value = int.from_bytes(hashlib.sha256(f"{seed}-{batch}".encode()).digest()[:7], "little")
+    return torch.Generator(device=device).manual_seed(value)
+
+
+def _eos_ids(model, tokenizer, suffix: str) -> set[int]:
+    """EOS ids plus the token that ends a user turn (the first special token after the user content)."""
+    eos = {tokenizer.eos_token_id}
+    gen = getattr(model, "generation_config", None)
+    ids = getattr(gen, "eos_token_id", None)
+    eos.update(ids if isinstance(ids, (list, tuple)) else [ids])
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False)}
+    eos.update([i for i in tokenizer(suffix, add_special_tokens=False)["input_ids"] if i in special][:1])
+    return {i for i in eos if i is not None}
+
+
+def synthesize(model, tokenizer, s: dict, path: Path, name: str = "synth") -> tuple[list[dict], dict]:
+    """The first ``s["n"]`` kept prompts ``[{id, prompt, category}]`` and the source's stats. ``model``: the
+    target, or a function returning it (called only when the cache does not already hold enough)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    batches = read_batches(path)
+    if path.exists():  # drop a torn last line before appending
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(b) + "\n" for b in batches), encoding="utf-8")
+        os.replace(tmp, path)
+    hints = s["hints"] or [{"category": "general", "hint": None}]
+    prefixes, suffix = {}, ""
+    for h in hints:
+        prefix, suffix = user_turn_prefix(tokenizer, h["hint"])
+        prefixes[h["hint"]] = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    filt = PromptFilter(s["near_duplicate"], s["min_chars"])
+    kept, dropped, tokens = [], Counter(), []
+    bs, cached, generated, start = s["batch_size"], len(batches), 0, time.time()
+    eos = _eos_ids(model, tokenizer, suffix) if isinstance(model, torch.nn.Module) else set()
+    b = 0
+    with open(path, "a", encoding="utf-8") as f:
+        while len(kept) < s["n"] and b * bs < s["max_attempts"]:
+            if b < len(batches):
+                outs = batches[b]["outputs"]
+            else:
+                if not isinstance(model, torch.nn.Module):
+                    model = model()
+                    eos = _eos_ids(model, tokenizer, suffix)
+                cats = [hints[(b * bs + k) % len(hints)] for k in range(bs)]
+                gens = generate(model, [prefixes[h["hint"]] for h in cats], s["max_new_tokens"], eos, pad,
+                                s["temperature"], s["top_p"],
+                                _batch_generator(next(model.parameters()).device, s["seed"], b))
+                outs = [{"text": tokenizer.decode(ids, skip_special_tokens=True).strip(), "category": h["category"],
+                         "tokens": len(ids), "hit_eos": bool(hit)} for h, (ids, hit) in zip(cats, gens, strict=True)]
+                f.write(json.dumps({"batch": b, "outputs": outs}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+                generated += 1
+                log(f"[data] synth: batch {b} generated ({len(kept)} of {s['n']} prompts kept before it, "
+                    f"{time.time() - start:.0f} s)")
+            for k, o in enumerate(outs):
+                if len(kept) >= s["n"]:
+                    break
+                reason = "truncated" if not o["hit_eos"] else filt.check(o["text"])
+                if reason:
+                    dropped[reason] += 1
+                    continue
+                kept.append({"id": f"{name}-{b * bs + k}", "prompt": o["text"], "category": o["category"]})
+                tokens.append(o["tokens"])
+            b += 1
+    attempts = len(kept) + sum(dropped.values())
+    if len(kept) < s["n"]:
+        log(f"[data] synth: only {len(kept)} of {s['n']} prompts after {attempts} attempts "
+            f"(max_attempts={s['max_attempts']}); dropped {dict(dropped)}")
+    stats = {
+        "requested": s["n"], "kept": len(kept), "attempts": attempts,
+        "dropped": dict(sorted(dropped.items())),
+        "duplicate_rate": round(dropped["duplicate"] / max(attempts, 1), 4),
+        "near_duplicate_rate": round(dropped["near_duplicate"] / max(attempts, 1), 4),
+        "batches_cached": min(cached, b), "batches_generated": generated,
+        "categories": dict(Counter(p["category"] for p in kept)),
+        **diversity([p["prompt"] for p in kept]),
+        "tokens_mean": round(statistics.fmean(tokens), 1) if tokens else 0.0,
+        "file": str(path), "seconds": round(time.time() - start, 1),
+    }
+    return kept, stats
+
+
+class Synthesizer:
+    """What ``read_source`` calls for ``type: synth``: loads the target on first use, returns rows, and
+    keeps each source's stats (``stats[name]``) for ``stats.json``."""
+
+    def __init__(self, cfg, tokenizer):
+        self.cfg, self.tokenizer, self.stats = cfg, tokenizer, {}
+
+    def __call__(self, source: dict, name: str) -> Iterator[tuple[str, dict]]:
+        from train.target import load_target, target_fingerprint
+
+        dcfg = self.cfg.data
+        s = settings(source, int(self.cfg.seed))
+        directory = dcfg.get("synth_dir") or Path(dcfg.regen.dir).parent / "synth"
+        path = cache_file(directory, target_fingerprint(self.cfg), s)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Under a launcher every rank reads the sources: the first to take the lock generates, the others
+        # then replay the same cache file (so every rank has the same prompts).
+        with FileLock(str(path) + ".lock"):
+            kept, self.stats[name] = synthesize(lambda: load_target(self.cfg), self.tokenizer, s, path, name)
+        st = self.stats[name]
+        log(f"[data] synth: {st['kept']} prompts ({st['attempts']} attempts, {st['batches_generated']} batches "
+            f"generated, {st['batches_cached']} cached; near-duplicates {st['near_duplicate_rate']:.1%}; "
+            f"distinct-1 {st['distinct_1']}, distinct-2 {st['distinct_2']})")
+        for p in kept:
+            yield f"{path}:{p['id']}", p

@@ -1,0 +1,133 @@
+"""User errors print one line and exit 1 (no traceback, no Hydra hint); bugs keep their traceback;
+a user's own data file with the defaults gets a validation split."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from data.formats import DataError
+from data.stage import SPLITS, _to_datasets, assign_splits
+from tests.conftest import ROOT, make_cfg
+from train.errors import ConfigError, MissingStageError, UserError
+
+ENV = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "OMP_NUM_THREADS": "1",
+       "WANDB_SILENT": "true"}
+
+
+def cli(tmp_path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "train/run.py"), "tracking=none", f"output_root={tmp_path}",
+                           "model=tiny-llama", *args], cwd=ROOT, env={**ENV, **(env or {})},
+                          capture_output=True, text=True, timeout=300)
+
+
+def one_error_line(out: subprocess.CompletedProcess) -> str:
+    """The run failed with status 1 and said why in exactly one line, without a traceback or Hydra's hint."""
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    assert "Traceback" not in text and "HYDRA_FULL_ERROR" not in text, text
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error")]
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+def test_bad_enum_override_is_one_line_before_the_plan(tmp_path):
+    line = one_error_line(cli(tmp_path, "train.positions=asistant", "plan=true"))
+    assert "train.positions='asistant'" in line and "valid values: all, assistant" in line
+    assert "did you mean assistant" in line
+
+
+def test_missing_upstream_stage_is_one_line(tmp_path):
+    line = one_error_line(cli(tmp_path, "stages=[train]"))
+    assert "Stage 'data' has no complete output" in line and "stages=[data]" in line
+
+
+def test_malformed_input_line_is_one_line(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"prompt": "Say hi."}) + "\n{not json\n")
+    line = one_error_line(cli(tmp_path, "stages=[data]", f"data.sources=[{{path:'{path}'}}]", "data.regenerate=false"))
+    assert f"{path}:2: malformed JSON" in line and "data.on_error=skip" in line
+
+
+def test_debug_switch_shows_the_traceback(tmp_path):
+    out = cli(tmp_path, "train.positions=asistant", "plan=true", env={"SPECHEADS_DEBUG": "1"})
+    assert out.returncode != 0 and "Traceback" in out.stderr and "ConfigError" in out.stderr
+
+
+def test_user_errors_share_one_base_class():
+    from train.export import ExportError
+    from train.extract import ExtractError
+    from train.plan import MemoryShortError
+    from train.publish import PublishError
+
+    for cls in (DataError, ExtractError, ExportError, PublishError, MemoryShortError, ConfigError, MissingStageError):
+        assert issubclass(cls, UserError), cls
+    assert issubclass(MissingStageError, FileNotFoundError) and issubclass(DataError, ValueError)
+
+
+@pytest.mark.parametrize("error", [DataError("bad row"), RuntimeError("a bug")])
+def test_in_process_user_error_exits_1_and_bug_propagates(monkeypatch, capsys, error):
+    """``main`` called with a config (Hydra passes it through): a user error -> one line + SystemExit(1);
+    any other exception -> raised as is (its traceback is shown)."""
+    import train.run as run_module
+
+    def fail(cfg):
+        raise error
+
+    monkeypatch.delenv("SPECHEADS_DEBUG", raising=False)
+    monkeypatch.setattr(run_module, "run", fail)
+    cfg = make_cfg(["model=tiny-llama"])
+    if isinstance(error, UserError):
+        with pytest.raises(SystemExit) as exit_info:
+            run_module.main(cfg)
+        assert exit_info.value.code == 1
+        assert capsys.readouterr().err.strip() == "error: bad row"
+    else:
+        with pytest.raises(RuntimeError, match="a bug"):
+            run_module.main(cfg)
+
+
+def _conv(i, split=None):
+    return {"id": f"mine-{i}", "split": split}
+
+
+@pytest.mark.parametrize(("n", "fraction", "expected"), [(20, 0.05, 1), (100, 0.05, 5), (2, 0.05, 1), (1, 0.05, 0),
+                                                         (20, 0.0, 0), (10, 0.3, 3)])
+def test_rows_without_a_split_hold_out_a_share(n, fraction, expected):
+    convs = [_conv(i) for i in range(n)] + [_conv("t", "train"), _conv("v", "validation")]
+    assign_splits(convs, fraction, seed=0)
+    assert sum(c["split"] == "validation" for c in convs[:n]) == expected
+    assert convs[-2]["split"] == "train" and convs[-1]["split"] == "validation"
+    again = [_conv(i) for i in reversed(range(n))]  # the order of the file does not matter
+    assign_splits(again, fraction, seed=0)
+    assert {c["id"] for c in again if c["split"] == "validation"} == {c["id"] for c in convs[:n] if c["split"] == "validation"}
+
+
+def test_bad_split_value_is_a_data_error():
+    with pytest.raises(DataError, match="split must be train or validation"):
+        assign_splits([_conv(0, "val")], 0.05, seed=0)
+
+
+def test_an_empty_split_is_built_not_refused(tmp_path):
+    row = {"id": "a", "source": "s", "category": "c", "input_ids": [1, 2], "loss_mask": [0, 1], "length": 2}
+    ds = _to_datasets({"train": [row], "validation": []})
+    ds.save_to_disk(str(tmp_path / "ds"))
+    assert len(ds["train"]) == 1 and len(ds["validation"]) == 0
+    assert ds["validation"].features == ds["train"].features and set(ds) == set(SPLITS)
+
+
+def test_own_data_with_the_defaults_gets_train_and_validation(tmp_path):
+    """The README's "Your own data" example: one file of prompts, nothing else set."""
+    path = tmp_path / "my_prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Write one sentence about topic {i}."}) + "\n" for i in range(20)))
+    out = cli(tmp_path, "stages=[data]", f"data.sources=[{{path:'{path}'}}]", "data.regen.max_new_tokens=8")
+    assert out.returncode == 0, out.stdout + out.stderr
+    stats = json.loads((tmp_path / "tiny-llama/eagle3/data/stats.json").read_text())
+    assert stats["rows_kept"] == {"train": 19, "validation": 1}
+    import datasets
+
+    ds = datasets.load_from_disk(str(tmp_path / "tiny-llama/eagle3/data/dataset"))
+    assert len(ds["train"]) == 19 and len(ds["validation"]) == 1

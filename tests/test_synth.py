@@ -1,0 +1,222 @@
+"""Prompts written by the target (data/synth.py) and reasoning templates (data.thinking, data/template.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import data.synth as synth
+from data.template import prompt_ids, render, set_thinking, tokenize_conversation, user_turn_prefix
+from train.stages import run_stages
+from train.target import _build_tiny_tokenizer, load_target, load_tokenizer
+
+# Modelled on Qwen3's template: `enable_thinking`, <think> blocks kept only after the last user turn
+# (the last assistant turn always shows one, empty if need be), stripped from earlier turns.
+QWEN3_STYLE_TEMPLATE = r"""
+{%- set ns = namespace(last_query_index=-1) %}
+{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_query_index = loop.index0 %}{%- endif %}{%- endfor %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}{{- '<|im_start|>system\n' + message.content + '<|im_end|>\n' }}
+{%- elif message.role == 'user' %}{{- '<|im_start|>user\n' + message.content + '<|im_end|>\n' }}
+{%- elif message.role == 'assistant' %}
+{%- set content = message.content %}{%- set reasoning_content = '' %}
+{%- if '</think>' in content %}
+{%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+{%- set content = content.split('</think>')[-1].lstrip('\n') %}
+{%- endif %}
+{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}
+{{- '<|im_start|>assistant\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+{%- else %}{{- '<|im_start|>assistant\n' + content }}{%- endif %}
+{{- '<|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
+{%- endif %}"""
+
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+
+
+@pytest.fixture
+def qwen3_tok():
+    tok = _build_tiny_tokenizer("chatml")
+    tok.add_tokens(["<think>", "</think>"])  # added but not special, as in Qwen3's tokenizer
+    tok.chat_template = QWEN3_STYLE_TEMPLATE
+    yield tok
+    set_thinking(None)
+
+
+def conversation(reasoning: bool) -> list[dict]:
+    think = (lambda r: f"<think>\n{r}\n</think>\n\n") if reasoning else (lambda r: "")
+    return [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": think("Add them.") + "It is 4."},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": think("Three and three.") + "Six, of course."},
+    ]
+
+
+def masked_text(tok, ids, mask) -> str:
+    return tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
+
+
+def test_thinking_off_masks_answers_and_keeps_empty_block_in_prompt(qwen3_tok):
+    tok, conv = qwen3_tok, conversation(reasoning=False)
+    gen_prompt = prompt_ids(tok, conv[:4], thinking=False)
+    assert tok.decode(gen_prompt).endswith("<|im_start|>assistant\n" + EMPTY_THINK)
+    ids, mask = tokenize_conversation(tok, conv, thinking=False)
+    # What regeneration continued from is exactly the training sequence's prefix; its header and empty
+    # <think> block are not trained on.
+    header = len(tok("<|im_start|>assistant\n" + EMPTY_THINK, add_special_tokens=False)["input_ids"])
+    assert ids[: len(gen_prompt)] == gen_prompt and not any(mask[len(gen_prompt) - header: len(gen_prompt)])
+    assert masked_text(tok, ids, mask) == "It is 4.<|im_end|>Six, of course.<|im_end|>"
+    assert ids == tok(render(tok, conv, thinking=False), add_special_tokens=False)["input_ids"]
+    # The process default (data.thinking via set_thinking) is what renders without an explicit value use.
+    set_thinking(False)
+    assert prompt_ids(tok, conv[:4]) == gen_prompt
+    assert tokenize_conversation(tok, conv) == (ids, mask)
+
+
+def test_thinking_on_masks_reasoning_and_answer(qwen3_tok):
+    tok, conv = qwen3_tok, conversation(reasoning=True)
+    gen_prompt = prompt_ids(tok, conv[:4], thinking=True)
+    assert tok.decode(gen_prompt).endswith("<|im_start|>assistant\n")  # the target writes <think> itself
+    ids, mask = tokenize_conversation(tok, conv, thinking=True)
+    assert ids[: len(gen_prompt)] == gen_prompt and not any(mask[len(gen_prompt) - 3: len(gen_prompt)])
+    # The last turn's reasoning is trained on; the first turn's was stripped from history by the template.
+    assert masked_text(tok, ids, mask) == (
+        "It is 4.<|im_end|><think>\nThree and three.\n</think>\n\nSix, of course.<|im_end|>")
+    assert "Add them." not in tok.decode(ids)
+    # Exactly two masked spans, each ending with the end-of-turn token.
+    starts = [j for j in range(len(mask)) if mask[j] and (j == 0 or not mask[j - 1])]
+    ends = [j for j in range(len(mask)) if mask[j] and (j + 1 == len(mask) or not mask[j + 1])]
+    assert len(starts) == 2 and all(tok.convert_ids_to_tokens(ids[j]) == "<|im_end|>" for j in ends)
+
+
+def test_thinking_flag_is_ignored_by_plain_templates():
+    tok = _build_tiny_tokenizer("chatml")
+    conv = conversation(reasoning=False)
+    assert {tuple(prompt_ids(tok, conv[:2], thinking=t)) for t in (None, True, False)} == {tuple(prompt_ids(tok, conv[:2]))}
+    assert tokenize_conversation(tok, conv, thinking=False) == tokenize_conversation(tok, conv)
+
+
+def test_user_turn_prefix():
+    tok = _build_tiny_tokenizer("chatml")
+    prefix, suffix = user_turn_prefix(tok)
+    assert prefix == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    assert suffix.startswith("<|im_end|>")
+    assert user_turn_prefix(tok, "Ask about cooking.")[0] == (
+        "<|im_start|>system\nAsk about cooking.<|im_end|>\n<|im_start|>user\n")
+    llama = _build_tiny_tokenizer("llama3")
+    assert user_turn_prefix(llama)[0] == "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n"
+
+
+def test_filter_drops_and_counts_duplicates():
+    f = synth.PromptFilter(threshold=0.7, min_chars=10)
+    texts = ["Write a poem about the sea.", "write a poem about the SEA!", "Write a poem about the sea, please.",
+             "Explain how rainbows form in the sky.", "", "hi", "Explain how rainbows form in the sky above us?",
+             "What is the capital city of France?"]
+    assert [f.check(t) for t in texts] == [None, "duplicate", "near_duplicate", None, "empty", "too_short",
+                                           "near_duplicate", None]
+
+
+POOL = ["How do I sort a list in Python?", "how do i sort a list in python", "How do I sort a list in Python, quickly?",
+        "Write a haiku about autumn leaves.", "What causes the seasons on Earth?", "", "Explain recursion to a child.",
+        "Give me three tips for a job interview.", "Why is the sky blue during the day?", "Translate 'good night' into German.",
+        "Suggest a name for a black cat.", "What is the boiling point of water at altitude?", "Summarise the plot of Hamlet.",
+        "How many legs does a spider have?", "Plan a three-day trip to Rome.", "Write a limerick about a frog."]
+
+
+@pytest.fixture
+def fake_generate(monkeypatch):
+    """Stands in for data.regenerate.generate: picks pool texts with the generator it is given."""
+    calls, tok = [], _build_tiny_tokenizer("chatml")  # the tiny targets' byte-level tokenizer
+
+    def fake(model, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p, generator):
+        calls.append(prompts)
+        picks = torch.randint(len(POOL), (len(prompts),), generator=generator).tolist()
+        return [(tok(POOL[i], add_special_tokens=False)["input_ids"], True) for i in picks]
+
+    monkeypatch.setattr(synth, "generate", fake)
+    return calls
+
+
+class FakeModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.generation_config = None
+
+
+def settings(**kw):
+    return synth.settings({"type": "synth", "batch_size": 4, "min_chars": 5, **kw}, seed=0)
+
+
+def test_synth_is_seeded_on_the_real_generate(tiny_qwen2_cfg, tmp_path):
+    model, tok = load_target(tiny_qwen2_cfg), load_tokenizer(tiny_qwen2_cfg)
+    s = settings(n=4, max_new_tokens=6, max_attempts=8)
+    for name in ("a", "b"):
+        synth.synthesize(model, tok, s, tmp_path / f"{name}.jsonl")
+    a = synth.read_batches(tmp_path / "a.jsonl")
+    assert len(a) == 2 and a == synth.read_batches(tmp_path / "b.jsonl")
+    synth.synthesize(model, tok, {**s, "seed": 1}, tmp_path / "c.jsonl")
+    assert synth.read_batches(tmp_path / "c.jsonl") != a
+
+
+def test_synth_dedups_resumes_and_counts_calls(fake_generate, tmp_path):
+    tok = _build_tiny_tokenizer("chatml")
+    model = FakeModel()
+    fresh, fresh_stats = synth.synthesize(model, tok, settings(n=10), tmp_path / "fresh.jsonl")
+    assert len(fresh) == 10 and len({synth._normalise(p["prompt"]) for p in fresh}) == 10
+    dropped = fresh_stats["dropped"]
+    assert sum(dropped.values()) + 10 == fresh_stats["attempts"] and dropped.get("duplicate", 0) > 0
+    assert fresh_stats["near_duplicate_rate"] == round(dropped.get("near_duplicate", 0) / fresh_stats["attempts"], 4)
+    assert len(fake_generate) == fresh_stats["batches_generated"]
+
+    # Interrupted after a few prompts (a smaller n), then a crash tears a line; the rerun with n=10 replays
+    # the cached batches and generates only the missing ones, and gets the uninterrupted run's prompts.
+    path = tmp_path / "resumed.jsonl"
+    fake_generate.clear()
+    first, st = synth.synthesize(model, tok, settings(n=3), path)
+    assert first == fresh[:3] and st["batches_generated"] == len(fake_generate) == len(synth.read_batches(path))
+    with open(path, "a") as f:
+        f.write('{"batch": 99, "outp')
+    before = len(synth.read_batches(path))
+    fake_generate.clear()
+    again, st = synth.synthesize(model, tok, settings(n=10), path)
+    assert again == fresh and st["batches_cached"] == before
+    assert len(fake_generate) == fresh_stats["batches_generated"] - before == st["batches_generated"]
+    assert len(synth.read_batches(path)) == fresh_stats["batches_generated"]
+    # A complete cache: nothing is generated, and the model is not even loaded.
+    fake_generate.clear()
+    assert synth.synthesize(lambda: pytest.fail("loaded"), tok, settings(n=10), path)[0] == fresh
+    assert not fake_generate
+
+
+def test_synth_hints_cycle_and_steer_the_prefix(fake_generate, tmp_path):
+    tok = _build_tiny_tokenizer("chatml")
+    hints = [{"category": "code", "hint": "The user asks about code."}, {"category": "travel", "hint": "Travel."}]
+    kept, stats = synth.synthesize(FakeModel(), tok, settings(n=6, hints=hints), tmp_path / "h.jsonl")
+    prompts = fake_generate[0]
+    assert tok.decode(prompts[0]).endswith("The user asks about code.<|im_end|>\n<|im_start|>user\n")
+    assert tok.decode(prompts[1]).endswith("Travel.<|im_end|>\n<|im_start|>user\n")
+    assert all(p["category"] == ("code", "travel")[int(p["id"].split("-")[1]) % 2] for p in kept)
+    assert set(stats["categories"]) <= {"code", "travel"}
+    with pytest.raises(synth.DataError, match="unknown keys"):
+        synth.settings({"type": "synth", "nn": 3}, 0)
+
+
+def test_synth_source_through_the_data_stage(fake_generate, cfg_factory, tmp_path):
+    cfg = cfg_factory("model=tiny-qwen2", "stages=[data]", "data.regen.max_new_tokens=4", "head.draft_vocab_size=40",
+                      "data.sources=[{type:synth,n:6,batch_size:4,min_chars:5}]", "data.thinking=false")
+    run_stages(cfg)
+    stats = json.loads((tmp_path / "tiny-qwen2/eagle3/data/stats.json").read_text())
+    st = stats["synth"]["synth"]
+    assert st["kept"] == 6 and stats["rows_read"] == 6 and sum(stats["rows_kept"].values()) == 6
+    for key in ("distinct_1", "distinct_2", "near_duplicate_rate", "duplicate_rate", "words_histogram", "file"):
+        assert key in st
+    assert 0 < st["distinct_1"] <= 1 and sum(st["words_histogram"].values()) == 6
+    assert len(synth.read_batches(tmp_path.joinpath(st["file"]))) == st["batches_generated"] > 0

@@ -1,0 +1,161 @@
+"""One validation pass over the composed config, before any stage (and before ``plan=true``).
+
+Data-driven: :data:`ENUMS` lists every key that takes one of a fixed set of values, :data:`NUMBERS` the
+sizes and shares with a range. A key absent from the composed config is not checked (``head.loss`` only
+exists for Medusa, ``model.arch`` only for the tiny targets, ``tracking.mode`` only for wandb). A list
+value is checked element by element; ``a[].b`` checks key ``b`` of every element of list ``a``. Every
+problem is collected and reported in one :class:`~train.errors.ConfigError` that names the key, the bad
+value and the valid values.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+
+from omegaconf import DictConfig, OmegaConf
+
+from eval.drafters import METHODS
+from train.errors import ConfigError
+from train.export import FORMATS
+from train.stages import ORDER
+
+DTYPES = ("float32", "bfloat16", "float16")
+STAGES = tuple(ORDER)
+EXPORTS = FORMATS
+SOURCE_KEYS = ("type", "path", "hf", "hf_split", "format", "split", "limit", "name",
+               # type: synth (data/synth.py)
+               "n", "batch_size", "max_new_tokens", "temperature", "top_p", "seed", "hints", "near_duplicate",
+               "min_chars", "max_attempts")
+
+# key -> valid values (a callable: computed from the config, e.g. the head's export formats).
+ENUMS = {
+    "stages": STAGES,
+    "force": STAGES,
+    "device": ("auto", "cpu", "cuda", "cuda:<N>"),
+    "dtype": ("auto", *DTYPES),
+    "model.source": ("hf", "gguf_package", "tiny"),
+    "model.arch": ("llama", "qwen2", "qwen3"),
+    "model.template": ("llama3", "chatml"),
+    "head.type": ("eagle3", "medusa"),
+    "head.fc_init": ("random", "last_tap"),
+    "head.loss": ("kl", "ce"),
+    "data.overflow": ("truncate", "drop"),
+    "data.on_error": ("raise", "skip"),
+    "data.exclude_eval": ("humaneval",),
+    "data.sources[].type": ("builtin", "humaneval", "synth"),
+    "data.regen.backend": ("hf", "openai", "vllm"),
+    "data.thinking": (None, True, False),
+    "data.sources[].format": ("auto", "sharegpt", "messages", "ultrachat", "turns", "humaneval", "prompts"),
+    "data.sources[].split": ("train", "validation", None),
+    "extract.dtype": DTYPES,
+    "extract.zero_stage": (0, 1, 2, 3),
+    "train.positions": ("all", "assistant"),
+    "train.grad_accum_dtype": ("fp32", "bf16", "fp16"),
+    "train.zero_stage": (0, 1, 2, 3),  # 3 is refused by the train stage, with the reason
+    "eval.datasets": ("builtin", "humaneval"),
+    "eval.methods": ("auto", *METHODS),
+    "eval.medusa_choices": lambda cfg: None if OmegaConf.is_list(cfg.eval.medusa_choices) else ("auto", None),
+    "export.dtype": DTYPES,
+    "export.formats": lambda cfg: ("auto", *EXPORTS.get(cfg.head.type, ())),
+    "publish.format": lambda cfg: (None, *EXPORTS.get(cfg.head.type, ())),
+    "tracking.backend": ("wandb", "none"),
+    "tracking.mode": ("offline", "online", "disabled"),
+    "planner.device": ("auto", "gpu", "cpu"),
+}
+PATTERNS = {"cuda:<N>": re.compile(r"cuda:\d+")}
+
+# key -> (kind, test, what it must be, other values allowed). kind: "int" (an integer) or "num" (a number).
+POS_INT = ("int", lambda v: v >= 1, ">= 1", ())
+OPT_POS_INT = ("int", lambda v: v >= 1, ">= 1", (None,))
+NON_NEG_INT = ("int", lambda v: v >= 0, ">= 0", ())
+POS_NUM = ("num", lambda v: v > 0, "> 0", ())
+NON_NEG_NUM = ("num", lambda v: v >= 0, ">= 0", ())
+SHARE = ("num", lambda v: 0 <= v <= 1, "in [0, 1]", ())
+NUMBERS = {
+    **dict.fromkeys(["data.max_length", "data.regen.max_new_tokens", "data.regen.batch_size",
+                     "extract.batch_tokens", "head.draft_vocab_size", "head.ttt_steps", "head.num_heads",
+                     "head.num_layers", "train.epochs", "train.micro_batch_tokens", "train.grad_accum",
+                     "train.eval_every", "train.checkpoint_every", "train.log_every", "train.val_steps",
+                     "eval.max_new_tokens", "eval.chain_k", "eval.tree.top_k", "eval.tree.depth",
+                     "eval.tree.calibration_prompts", "eval.tree.sizes", "export.num_speculative_tokens"], POS_INT),
+    **dict.fromkeys(["train.max_steps", "train.val_tokens", "train.num_threads", "eval.num_threads",
+                     "eval.limit", "planner.world_size", "data.sources[].limit"], OPT_POS_INT),
+    "eval.tree.total_tokens": ("int", lambda v: v >= 1, ">= 1", ("auto",)),
+    **dict.fromkeys(["train.warmup_steps", "train.prefetch", "train.keep_checkpoints", "eval.warmup",
+                     "data.regen.seed", "seed"], NON_NEG_INT),
+    **dict.fromkeys(["extract.shard_mb", "train.lr", "dist_timeout_minutes", "planner.headroom",
+                     "extract.disk_margin", "planner.avg_row_tokens"], POS_NUM),
+    **dict.fromkeys(["train.max_minutes", "planner.tokens", "planner.rows"], POS_NUM[:3] + ((None,),)),
+    **dict.fromkeys(["data.regen.temperature", "eval.temperatures", "train.weight_decay", "train.grad_clip",
+                     "train.noise_std", "eval.tie_tolerance"], NON_NEG_NUM),
+    **dict.fromkeys(["data.regen.top_p", "eval.top_p", "head.ttt_decay", "head.decay", "train.min_lr_ratio"], SHARE),
+    "data.validation_fraction": ("num", lambda v: 0 <= v < 1, "in [0, 1)", ()),
+}
+_ABSENT = object()
+
+
+def _values(cfg: DictConfig, key: str):
+    """(dotted name, value) for every place ``key`` names (``a[].b``: key b of each element of list a)."""
+    if "[]." not in key:
+        value = OmegaConf.select(cfg, key, default=_ABSENT)
+        return [] if value is _ABSENT else [(key, value)]
+    outer, inner = key.split("[].", 1)
+    items = OmegaConf.select(cfg, outer, default=None) or []
+    return [(f"{outer}[{i}].{inner}", item[inner]) for i, item in enumerate(items)
+            if OmegaConf.is_dict(item) and inner in item]
+
+
+def _elements(value):
+    return list(value) if OmegaConf.is_list(value) or isinstance(value, list | tuple) else [value]
+
+
+def _enum_ok(value, allowed) -> bool:
+    return any(value == a or (a in PATTERNS and isinstance(value, str) and PATTERNS[a].fullmatch(value))
+               for a in allowed)
+
+
+def _number_ok(value, kind, test) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int if kind == "int" else int | float):
+        return False
+    return test(value)
+
+
+def problems(cfg: DictConfig) -> list[str]:
+    """Every invalid value of the config, one sentence each (empty: the config is valid)."""
+    out = []
+    for key, allowed in ENUMS.items():
+        for name, value in _values(cfg, key):
+            allowed_now = allowed(cfg) if callable(allowed) else allowed
+            if allowed_now is None:
+                continue
+            for v in _elements(value):
+                if not _enum_ok(v, allowed_now):
+                    valid = ", ".join("null" if a is None else str(a) for a in allowed_now)
+                    near = difflib.get_close_matches(str(v), [str(a) for a in allowed_now], n=1)
+                    hint = f" (did you mean {near[0]}?)" if near else ""
+                    out.append(f"{name}={v!r} is not valid{hint}; valid values: {valid}")
+    for key, (kind, test, what, extra) in NUMBERS.items():
+        for name, value in _values(cfg, key):
+            for v in _elements(value):
+                if not (v in extra and not isinstance(v, bool)) and not _number_ok(v, kind, test):
+                    also = "".join(f" or {'null' if e is None else e}" for e in extra)
+                    out.append(f"{name}={v!r} must be {'an integer' if kind == 'int' else 'a number'} {what}{also}")
+    for i, source in enumerate(OmegaConf.select(cfg, "data.sources", default=None) or []):
+        if not OmegaConf.is_dict(source):
+            out.append(f"data.sources[{i}]={source!r} must be a mapping like {{path: file.jsonl}}")
+            continue
+        unknown = sorted(set(source) - set(SOURCE_KEYS))
+        if unknown:
+            out.append(f"data.sources[{i}] has unknown key(s) {unknown}; valid keys: {', '.join(SOURCE_KEYS)}")
+        given = [k for k in ("type", "path", "hf") if source.get(k) is not None]
+        if len(given) != 1:
+            out.append(f"data.sources[{i}] needs exactly one of type (builtin|humaneval|synth), path or hf, got {given}")
+    return out
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise one :class:`ConfigError` listing every invalid value (the whole config is checked at once)."""
+    found = problems(cfg)
+    if found:
+        raise ConfigError("invalid config: " + "; ".join(found) + " (fix the override or the YAML in conf/)")
