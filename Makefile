@@ -38,10 +38,14 @@ vllm-env:
 lint: setup
 	$(VENV)/bin/ruff check .
 
+## Benchmarks (extraction, training, decoding) on the default target; first the data and extract stages
+## they read (skipped when done). ARGS: overrides for all, e.g. ARGS="model=tiny-llama" (a smoke run).
 bench: setup
-	HF_HUB_OFFLINE=1 $(PY) scripts/bench_extract.py
-	HF_HUB_OFFLINE=1 $(PY) scripts/bench_train.py
-	HF_HUB_OFFLINE=1 $(PY) scripts/bench_decode.py
+	HF_HUB_OFFLINE=1 $(PY) train/run.py tracking=none "stages=[data,extract]" $(ARGS)
+	HF_HUB_OFFLINE=1 $(PY) train/run.py tracking=none head=medusa "stages=[data,extract]" $(ARGS)
+	HF_HUB_OFFLINE=1 $(PY) scripts/bench_extract.py $(ARGS)
+	HF_HUB_OFFLINE=1 $(PY) scripts/bench_train.py $(ARGS)
+	HF_HUB_OFFLINE=1 $(PY) scripts/bench_decode.py $(ARGS)
 
 clean:
 	rm -rf outputs multirun .pytest_cache

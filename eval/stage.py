@@ -2,6 +2,10 @@
 
 Reads ``<run_dir>/train/head/``; writes into ``<run_dir>/eval/``: ``report.json`` (schema in
 :func:`run`), ``report.md``, ``records.jsonl`` (one line per prompt x method x temperature) and PNG plots.
+Resumable: the records of each prompt are appended to ``records.jsonl`` (flushed, fsync'ed) as soon as
+it is decoded, and ``progress.json`` keeps the eval fingerprint and the tree sizing result; a rerun with
+the same fingerprint (after a crash) keeps them and decodes only the prompts whose records are missing
+(``force=[eval]`` or another fingerprint starts over).
 Plain decoding and every method run in the same process, prompt by prompt, so machine noise hits
 both; at temperature 0 every method must reproduce plain greedy decoding token for token. Where it does
 not (in bf16 a tree verify and a one-token step round differently, so near-tie argmaxes can flip), the
@@ -12,7 +16,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from itertools import chain
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -25,7 +31,7 @@ from eval.report import aggregate, decoder_bugs, log_wandb, markdown, plot, reco
 from eval.treesize import acceptance_curve, choose_total_tokens, draft_times, measure_verify_time
 from heads.io import head_type, load_head
 from train.log import log, progress
-from train.stages import require, stage_dir
+from train.stages import fingerprint, require, stage_dir
 from train.target import load_target, load_tokenizer
 
 
@@ -156,18 +162,80 @@ def size_tree(cfg: DictConfig, decoder: SpecDecoder, head, tokenizer) -> dict:
     return info
 
 
+def record_key(record: dict) -> tuple:
+    """What identifies a record within one eval fingerprint."""
+    return record["dataset"], str(record["id"]), record["method"], float(record["temperature"])
+
+
+class Records:
+    """``records.jsonl`` written as the evaluation goes: each prompt's records (all its methods) appended
+    together, flushed and fsync'ed. ``done`` holds the records kept from an earlier run with the same
+    fingerprint (``progress.json``): complete prompts only, a torn or partial tail is dropped."""
+
+    def __init__(self, out: Path, fp: str, methods: list[str], fresh: bool):
+        self.path, self.meta = out / "records.jsonl", out / "progress.json"
+        meta = json.loads(self.meta.read_text()) if self.meta.exists() and not fresh else {}
+        self.done: dict[tuple, dict] = {}
+        self.tree = None
+        if meta.get("fingerprint") == fp and self.path.exists():
+            self.tree = meta.get("tree")
+            groups: dict[tuple, list[dict]] = {}
+            for line in self.path.read_text().splitlines():
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line torn by a crash
+                groups.setdefault(record_key(r)[:2] + record_key(r)[3:], []).append(r)
+            for group in groups.values():
+                if {r["method"] for r in group} == set(methods):
+                    self.done.update((record_key(r), r) for r in group)
+        tmp = self.path.with_suffix(".tmp")  # only the complete prompts stay in the file
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.done.values()))
+        os.replace(tmp, self.path)
+        self.meta.write_text(json.dumps({"fingerprint": fp, "tree": self.tree}))
+        self.fp = fp
+
+    def keep_tree(self, tree: dict) -> None:
+        self.tree = tree
+        self.meta.write_text(json.dumps({"fingerprint": self.fp, "tree": tree}))
+
+    def add(self, records: list[dict]) -> None:
+        with open(self.path, "a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in records))
+            f.flush()
+            os.fsync(f.fileno())
+        self.done.update((record_key(r), r) for r in records)
+
+
 def evaluate(cfg: DictConfig, decoder: SpecDecoder, drafters: dict[str, Drafter], tokenizer,
-             prompts: list[EvalPrompt], temperature: float, scorer: Fp32Scorer | None = None) -> list[dict]:
+             prompts: list[EvalPrompt], temperature: float, scorer: Fp32Scorer | None = None,
+             store: Records | None = None) -> list[dict]:
     """Per prompt: plain, then every method (rotating their order); the first ``eval.warmup`` prompts are
     decoded once untimed first. Returns one record per prompt x method; at temperature 0 with its first
-    divergence from plain decoding (:func:`divergence`), a real mismatch logged as a decoder bug."""
+    divergence from plain decoding (:func:`divergence`), a real mismatch logged as a decoder bug. With a
+    ``store``, prompts whose records it holds are not decoded again (their records are returned; a prompt
+    keeps its index, hence its seed) and the new ones are added to it as each prompt finishes."""
     scorer = scorer or Fp32Scorer(decoder.target)
     methods = [m for m in drafters if m != "plain"]
     typical = {m: bool(cfg.eval.typical_acceptance) and m.startswith("medusa") for m in drafters}
     warm = prompts[: cfg.eval.warmup]
+    done = store.done if store is not None else {}
+
+    def kept(prompt: EvalPrompt) -> list[dict] | None:
+        found = [done.get((prompt.dataset, str(prompt.id), m, temperature)) for m in drafters]
+        return None if None in found else found
+
+    if all(kept(p) for p in prompts):
+        warm = []  # nothing left to time: no warmup either
+    todo = sum(kept(p) is None for p in prompts)
+    if store is not None and todo < len(prompts):
+        log(f"[eval] T={temperature}: {len(prompts) - todo} prompts kept from an earlier run, {todo} to decode")
     records = []
-    bar = progress(total=(len(warm) + len(prompts)) * len(drafters), desc=f"eval T={temperature}")
+    bar = progress(total=(len(warm) + todo) * len(drafters), desc=f"eval T={temperature}")
     for i, prompt in enumerate(warm + prompts):
+        if i >= len(warm) and kept(prompt) is not None:
+            records.extend(kept(prompt))
+            continue
         shift = i % max(1, len(methods))
         outputs = {}
         for method in ["plain", *methods[shift:], *methods[:shift]]:
@@ -178,13 +246,14 @@ def evaluate(cfg: DictConfig, decoder: SpecDecoder, drafters: dict[str, Drafter]
         if i < len(warm):
             continue
         plain = [g.tokens for g in outputs["plain"]]
+        mine = []
         for method, gens in outputs.items():
             div = divergence(scorer, tokenizer, prompt, cfg, plain, [g.tokens for g in gens]) if temperature == 0 else None
             if div and div["kind"] == "mismatch":
                 log(f"[eval] DECODER BUG: {method} departs from plain decoding on {prompt.dataset}/{prompt.id} after "
                     f"{div['position']} tokens: {div['method_token']} instead of {div['plain_token']} "
                     f"(fp32 logit gap {div['fp32_gap']})")
-            records.append({
+            mine.append({
                 "dataset": prompt.dataset, "category": prompt.category, "id": prompt.id, "method": method,
                 "temperature": temperature, "turns": len(gens),
                 "new_tokens": sum(len(g.tokens) for g in gens), "cycles": sum(g.cycles for g in gens),
@@ -194,6 +263,9 @@ def evaluate(cfg: DictConfig, decoder: SpecDecoder, drafters: dict[str, Drafter]
                 "identical": div is None if temperature == 0 else None, "divergence": div,
                 "acceptance": "typical (lossy)" if typical[method] and temperature > 0 else "exact",
             })
+        records.extend(mine)
+        if store is not None:
+            store.add(mine)
     bar.close()
     return records
 
@@ -224,14 +296,20 @@ def run(cfg: DictConfig) -> dict:
         raise ValueError("eval: no prompts (check eval.datasets, eval.questions and eval.limit)")
     log(f"[eval] {len(prompts)} prompts, {kind} head, device {target.device}, {target.dtype}")
 
-    tree = size_tree(cfg, decoder, head, tokenizer)
-    ecfg = OmegaConf.merge(cfg.eval, {"tree": {"total_tokens": tree["total_tokens"]}})
     methods = resolve_methods(OmegaConf.to_container(cfg.eval.methods) if OmegaConf.is_config(cfg.eval.methods)
                               else cfg.eval.methods, kind)
+    store = Records(out, fingerprint(cfg, "eval"), methods, fresh="eval" in cfg.force)
+    if store.tree is not None:
+        tree = store.tree
+        log(f"[eval] resuming: tree sizing and {len(store.done)} records kept from an earlier run")
+    else:
+        tree = size_tree(cfg, decoder, head, tokenizer)
+        store.keep_tree(tree)
+    ecfg = OmegaConf.merge(cfg.eval, {"tree": {"total_tokens": tree["total_tokens"]}})
     drafters = {m: build_drafter(m, head, target.config.num_hidden_layers, ecfg) for m in methods}
     scorer = Fp32Scorer(target)
     records = [r for temperature in cfg.eval.temperatures
-               for r in evaluate(cfg, decoder, drafters, tokenizer, prompts, float(temperature), scorer)]
+               for r in evaluate(cfg, decoder, drafters, tokenizer, prompts, float(temperature), scorer, store)]
     results = aggregate(records)
     report = {
         "target": cfg.model.name, "head": kind, "device": str(target.device), "dtype": str(target.dtype),
@@ -245,7 +323,9 @@ def run(cfg: DictConfig) -> dict:
     }
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(markdown(report))
-    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp = out / "records.jsonl.tmp"  # the same records, in the order of a straight run
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, out / "records.jsonl")
     images = plot(results, records, out)
     if cfg.tracking.backend == "wandb":
         log_wandb(cfg, report, images)

@@ -69,7 +69,7 @@ def main() -> None:
     prompts = load_prompts(cfg)
     print(f"target {cfg.model.name} on {target.device} ({target.dtype}); {kind} {source}; {len(prompts)} prompts")
 
-    tree = size_tree(cfg, decoder, head, prompts, tokenizer)
+    tree = size_tree(cfg, decoder, head, tokenizer)
     print(f"\nverify time vs tree tokens (context {cfg.eval.tree.context} tokens):")
     print("  tokens " + "".join(f"{s:>8}" for s in tree["verify_ms"]))
     print("  ms     " + "".join(f"{ms:>8.1f}" for ms in tree["verify_ms"].values()))

@@ -7,9 +7,10 @@ with random weights, in the pipeline's dtype. Measures, with the pipeline's own 
 - training: EAGLE-3 steps (training-time test at the preset's ``head.ttt_steps``, ``head.draft_vocab_size``,
   ``train.micro_batch_tokens``) through the DeepSpeed engine, tokens/s and peak memory (target freed).
 
-    python scripts/bench_gpu_scale.py [--model qwen2.5-7b] [--rows-len 2048] [--steps 6] [--layers N]
+    python scripts/bench_gpu_scale.py [--model qwen2.5-7b] [--row-len 2048] [--steps 6] [--layers N] [key=value ...]
 
-``--layers`` shrinks the target's depth (CPU smoke runs); the head's shapes stay the preset's.
+``--layers`` shrinks the target's depth (CPU smoke runs); the head's shapes stay the preset's. Any
+preset runs, the tiny ones included (``--model tiny-llama head.draft_vocab_size=64``: the CPU smoke test).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def main() -> None:
     from heads.io import build_head, head_config
     from train import dist
     from train.extract import capture, capture_layers
-    from train.loop import compute, deepspeed_config
+    from train.loop import compute, deepspeed_config, param_groups
     from train.losses import full_argmax
     from train.plan import architecture
     from train.target import resolve_device, resolve_dtype
@@ -118,7 +119,7 @@ def main() -> None:
     del embed
     head.to(device)
     trainable = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr)
+    optimizer = torch.optim.AdamW(param_groups(head, cfg.train.weight_decay), lr=cfg.train.lr, betas=(0.9, 0.95))
     engine, *_ = deepspeed.initialize(model=head, optimizer=optimizer, config=deepspeed_config(cfg.train, dtype))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -136,7 +137,7 @@ def main() -> None:
     train = {"tokens_per_s": round(rows * args.row_len / step_s), "step_s": round(step_s, 3),
              "peak_gib": round(peak_gib(device), 2), "ttt_steps": cfg.head.ttt_steps, "draft_vocab": dv,
              "micro_batch_tokens": rows * args.row_len, "head_trainable_params_m": round(sum(p.numel() for p in trainable) / 1e6, 1),
-             "optimizer": type(engine.optimizer).__name__, "loss": round(float(stats.loss), 3)}
+             "optimizer": type(engine.optimizer).__name__, "loss": round(float(stats.loss.detach()), 3)}
     print(f"train: {train}", flush=True)
     print(json.dumps({"model": args.model, "device": str(device), "dtype": str(dtype), "extract": extract,
                       "train": train}))

@@ -5,7 +5,10 @@ Each variant trains for the same wall-clock budget in a scratch copy of a finish
 extract stages. Default variants: the default config, assistant-only positions, no init from the
 target's lm_head, fewer TTT steps, tap noise.
 
-    .venv/bin/python scripts/bench_levers.py [--minutes 6] [--variant "name:key=value,key=value" ...]
+    .venv/bin/python scripts/bench_levers.py [--minutes 6] [--variant "name:key=value,key=value" ...] [key=value ...]
+
+Extra ``key=value`` arguments are Hydra overrides of the run read (and of every variant), e.g.
+``model=tiny-llama output_root=/tmp/x`` (the smoke test in tests/test_scripts.py).
 """
 
 from __future__ import annotations
@@ -26,10 +29,10 @@ DEFAULT_VARIANTS = [
 ]
 
 
-def train_variant(overrides: list[str], minutes: float, head: str) -> dict:
+def train_variant(overrides: list[str], minutes: float, head: str, source: list[str] = ()) -> dict:
     from train.stages import run_stages, stage_dir
 
-    cfg, _ = scratch_run([f"head={head}"], ["data", "extract"],
+    cfg, _ = scratch_run([f"head={head}", *source], ["data", "extract"],
                          ["stages=[train]", f"train.max_minutes={minutes}", "train.patience=1000", *overrides])
     try:
         run_stages(cfg)
@@ -43,12 +46,12 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=6.0)
     parser.add_argument("--head", default="eagle3")
     parser.add_argument("--variant", action="append", help="'name:key=value,key=value' (repeatable)")
-    args = parser.parse_args()
+    args, source = parser.parse_known_args()
     logging.basicConfig(level=logging.WARNING)
     rows = []
     for spec in args.variant or DEFAULT_VARIANTS:
         name, _, overrides = spec.partition(":")
-        summary = train_variant([o for o in overrides.split(",") if o], args.minutes, args.head)
+        summary = train_variant([o for o in overrides.split(",") if o], args.minutes, args.head, source)
         rows.append((name, summary))
         best = summary["best"]
         print(f"{name}: steps {summary['steps']}, {summary['tokens_per_s']:.0f} tok/s, best sim_tau "

@@ -15,6 +15,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
+# Set in this process by in-process runs that make a one-process group (train.dist.init): a child
+# inheriting them would try to join (or re-bind) this process's rendezvous port.
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a subprocess of the pipeline: this one, offline, without launcher variables."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    return {**env, "HF_HUB_OFFLINE": "1", **extra}
+
+
 def make_cfg(overrides: list[str], tmp: Path | None = None):
     """Compose ``conf/config.yaml`` with overrides, as ``train/run.py`` would (no Hydra run dir)."""
     extra = [f"output_root={tmp}"] if tmp is not None else []

@@ -183,3 +183,147 @@ def test_publish_refuses_foreign_files(eagle_export):
     cfg = OmegaConf.merge(cfg, {"stages": ["publish"], "publish": {"repo_id": "someone/x", "dry_run": True}})
     with pytest.raises(PublishError, match="optimizer.safetensors"):
         run_stages(cfg)
+
+
+# --- model cards: portable (no local path) and Hub metadata -------------------------------------------
+
+REPORT = {"device": "cpu", "dtype": "float32", "results": [
+    {"dataset": "builtin", "category": "all", "method": "eagle3-tree", "temperature": 0.0, "tau": 2.5,
+     "tokens_per_s": 10.0, "plain_tokens_per_s": 5.0, "speedup": 2.0},
+    {"dataset": "builtin", "category": "all", "method": "eagle3-chain", "temperature": 0.0, "tau": 2.2,
+     "tokens_per_s": 11.0, "plain_tokens_per_s": 5.0, "speedup": 2.2},
+    {"dataset": "builtin", "category": "all", "method": "plain", "temperature": 0.0, "tau": 1.0,
+     "tokens_per_s": 5.0, "plain_tokens_per_s": 5.0, "speedup": 1.0},
+    {"dataset": "humaneval", "category": "all", "method": "eagle3-tree", "temperature": 0.0, "tau": 3.0,
+     "tokens_per_s": 12.0, "plain_tokens_per_s": 5.0, "speedup": 2.4}],
+    "recommendations": [
+        {"dataset": "builtin", "category": "all", "temperature": 0.0, "method": "eagle3-tree", "speedup": 2.0, "tau": 2.5},
+        {"dataset": "humaneval", "category": "all", "temperature": 0.0, "method": None, "speedup": 2.4, "tau": 3.0}]}
+
+
+def export_with_report(cfg_factory, *overrides, vllm_check: dict | None = None):
+    import yaml  # noqa: F401  (the card's front matter is YAML)
+
+    cfg = cfg_factory("model=tiny-llama", "stages=[export]", *overrides)
+    target = load_target(cfg)
+    fake_trained(cfg, tiny_eagle3(target, dv=64))
+    ev = stage_dir(cfg, "eval")
+    ev.mkdir(parents=True, exist_ok=True)
+    (ev / "report.json").write_text(json.dumps(REPORT))
+    (ev / MARKER).write_text(json.dumps({"stage": "eval", "fingerprint": "test"}))
+    if vllm_check is not None:
+        stage_dir(cfg, "export").mkdir(parents=True, exist_ok=True)
+        (stage_dir(cfg, "export") / "vllm_check.json").write_text(json.dumps(vllm_check))
+    run_stages(cfg)
+    return cfg
+
+
+def assert_portable(cfg, folder):
+    """Nothing of this machine in what leaves it: no absolute path, no /tmp, no home directory."""
+    import os
+    import re
+    from pathlib import Path
+
+    for name in ("README.md", "config.json"):
+        text = (folder / name).read_text()
+        for local in (str(Path.home()), "/tmp", os.environ.get("TMPDIR") or "/tmp", str(cfg.output_root),
+                      str(Path(cfg.cache_dir).expanduser()), str(stage_dir(cfg, "export"))):
+            assert local not in text, (folder / name, local)
+        # No absolute POSIX path (a "/" after a space, quote, backtick or line start followed by a name).
+        assert not re.search(r"""(^|[\s"'`(=])/(home|tmp|root|usr|var|work|mnt|data|Users)\b""", text, re.M), folder / name
+
+
+def test_cards_carry_hub_metadata_and_no_local_path(cfg_factory):
+    from huggingface_hub import ModelCard
+
+    check = {"engine": "vllm 0.32.0", "dtype": "float32",
+             "exports": {"vllm": {"folder": "/somewhere/export/vllm", "k": 3, "vllm": {"tau": 2.31}}}}
+    cfg = export_with_report(cfg_factory, "model.hub_id=HuggingFaceTB/SmolLM2-135M-Instruct",
+                             "publish.repo_id=someone/smol-eagle3", vllm_check=check)
+    for fmt in ("vllm", "speculators", "sglang"):
+        folder = stage_dir(cfg, "export") / fmt
+        assert_portable(cfg, folder)
+        card = ModelCard.load(folder / "README.md")
+        data = card.data.to_dict()
+        assert data["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+        assert data["library_name"] == ("sglang" if fmt == "sglang" else "vllm")
+        assert data["license"] == "apache-2.0"
+        assert {"speculative-decoding", "eagle3", "draft-model"} <= set(data["tags"])
+        metrics = {(r.dataset_name, r.metric_type): r for r in card.data.eval_results}
+        # Recommended method (builtin: the tree, although the chain is faster), else the fastest (humaneval).
+        assert metrics["builtin", "acceptance_length"].metric_value == 2.5
+        assert metrics["builtin", "speedup"].metric_value == 2.0
+        assert "eagle3-tree" in metrics["builtin", "speedup"].metric_name
+        assert metrics["humaneval", "speedup"].metric_value == 2.4
+        vllm_tau = [r for r in card.data.eval_results if r.metric_name.startswith("tau in vllm")]
+        assert [r.metric_value for r in vllm_tau] == ([] if fmt == "speculators" else [2.31])
+        text = (folder / "README.md").read_text()
+        # The draft's location: the publish repo for the published folder (vllm), a placeholder elsewhere.
+        if fmt == "vllm":
+            assert '"model": "someone/smol-eagle3"' in text and "<your-hf-user>" not in text
+        else:
+            assert f"<your-hf-user>/tiny-llama-eagle3-{fmt}" in text and "is a placeholder" in text
+        assert "vllm serve HuggingFaceTB/SmolLM2-135M-Instruct" in text or "--model-path HuggingFaceTB/" in text
+    spec = json.loads((stage_dir(cfg, "export") / "speculators" / "config.json").read_text())
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_card_of_a_target_without_hub_id(cfg_factory):
+    """A tiny (or local) target: its name only plus a note; no license guessed, no base_model."""
+    import yaml
+
+    cfg = export_with_report(cfg_factory)
+    for fmt in ("vllm", "speculators"):
+        folder = stage_dir(cfg, "export") / fmt
+        assert_portable(cfg, folder)
+        text = (folder / "README.md").read_text()
+        meta = yaml.safe_load(text.split("---")[1])
+        assert "base_model" not in meta and "license" not in meta and meta["library_name"] == "vllm"
+        assert "set `export.license`" in text and "without a Hub id" in text
+    spec = json.loads((stage_dir(cfg, "export") / "speculators" / "config.json").read_text())
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == "tiny-llama"
+
+
+def test_target_name_never_a_local_path(tmp_path):
+    from train.export import card_license, target_name
+
+    local = OmegaConf.create({"model": {"name": "mine", "source": "hf", "hub_id": None, "path": str(tmp_path / "my-model")},
+                              "export": {"license": None}})
+    assert target_name(local) == "my-model"
+    local.model.hub_id = "org/my-model"
+    assert target_name(local) == "org/my-model" and card_license(local) is None
+    local.export.license = "mit"
+    assert card_license(local) == "mit"
+    gguf = OmegaConf.create({"model": {"name": "smollm2-135m", "source": "gguf_package", "path": None,
+                                       "hub_id": "HuggingFaceTB/SmolLM2-135M-Instruct"}, "export": {"license": None}})
+    assert target_name(gguf) == "HuggingFaceTB/SmolLM2-135M-Instruct" and card_license(gguf) == "apache-2.0"
+
+
+def test_publish_fills_the_placeholder_repo_in_the_uploaded_card(cfg_factory):
+    cfg = export_with_report(cfg_factory)   # exported without publish.repo_id: placeholder in the card
+    folder = stage_dir(cfg, "export") / "vllm"
+    assert "<your-hf-user>/tiny-llama-eagle3-vllm" in (folder / "README.md").read_text()
+    cfg = OmegaConf.merge(cfg, {"stages": ["publish"], "publish": {"repo_id": "someone/tiny-eagle3", "dry_run": True}})
+    card = run_stages(cfg)["publish"]["outputs"]["card"]
+    assert '"model": "someone/tiny-eagle3"' in card and "<your-hf-user>" not in card and "is a placeholder" not in card
+
+
+def test_publish_refuses_a_card_with_a_local_path(eagle_export):
+    cfg, _, _ = eagle_export
+    card = stage_dir(cfg, "export") / "vllm" / "README.md"
+    card.write_text(card.read_text() + f"\nvllm serve {stage_dir(cfg, 'export') / 'vllm'}\n")
+    cfg = OmegaConf.merge(cfg, {"stages": ["publish"], "publish": {"repo_id": "someone/x", "dry_run": True}})
+    with pytest.raises(PublishError, match="name directories of this machine"):
+        run_stages(cfg)
+
+
+def test_medusa_card_is_portable(medusa_export):
+    import yaml
+
+    cfg, _, _ = medusa_export
+    folder = stage_dir(cfg, "export") / "medusa"
+    assert_portable(cfg, folder)
+    text = (folder / "README.md").read_text()
+    meta = yaml.safe_load(text.split("---")[1])
+    assert {"speculative-decoding", "medusa", "draft-model"} <= set(meta["tags"]) and meta["library_name"] == "vllm"
+    assert '"method": "medusa", "model": "<your-hf-user>/tiny-qwen2-medusa-medusa"' in text

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -15,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, make_cfg
+from tests.conftest import ROOT, child_env, make_cfg
 from train.extract import Captures, ExtractError
 from train.stages import run_stages, stage_dir
 from train.target import load_target
@@ -24,7 +23,7 @@ BASE = ["model=tiny-llama", "head.draft_vocab_size=64", "data.sources=[{type:bui
         "data.regen.max_new_tokens=24", "extract.dtype=float32", "head.ttt_steps=3", "train.micro_batch_tokens=1024",
         "train.log_every=1", "train.eval_every=1000", "train.checkpoint_every=3", "train.max_steps=6",
         "train.warmup_steps=2", "train.num_threads=1", "train.max_minutes=null"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+ENV = child_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
 @pytest.fixture(scope="module")

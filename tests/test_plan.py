@@ -4,7 +4,6 @@ refusal, and (integration) its disk and memory figures against a real extraction
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import ROOT, make_cfg
+from tests.conftest import ROOT, child_env, make_cfg
 from train import plan as planner
 
 GiB = 2**30
@@ -25,7 +24,7 @@ def test_plan_cli_offline_without_weights(model, tmp_path):
     script = ("import resource, runpy, sys; sys.argv = sys.argv[1:]\n"
               "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
               "finally:\n    print('MAXRSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}   # an empty HF cache
+    env = child_env(HF_HOME=str(tmp_path / "hf"))   # an empty HF cache
     start = time.time()
     out = subprocess.run([sys.executable, "-c", script, str(ROOT / "train/run.py"), f"model={model}", "head=eagle3",
                           "train=full", "plan=true", "tracking=none", f"output_root={tmp_path}"],

@@ -22,7 +22,7 @@ import pytest
 from data.engines import OpenAIClient, RegenError, VLLMServer, regenerate_openai
 from data.regenerate import eos_ids, generate, read_cache, regenerate
 from data.template import prompt_ids
-from tests.conftest import ROOT, make_cfg
+from tests.conftest import ROOT, child_env, make_cfg
 from train.target import load_target, load_tokenizer
 
 CONVS = [{"messages": [{"role": "user", "content": f"question {i}"}] + (
@@ -205,8 +205,7 @@ def test_vllm_backend_names_a_bad_interpreter(tmp_path):
 # --- slow tier ----------------------------------------------------------------------------------------------
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-       "OMP_WAIT_POLICY": "PASSIVE"}
+ENV = child_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", OMP_WAIT_POLICY="PASSIVE")
 RANKS = ["tracking=none", "model=tiny-llama", "stages=[data]", "data.sources=[{type:builtin,limit:24}]",
          "data.regen.max_new_tokens=24", "head.draft_vocab_size=64"]
 

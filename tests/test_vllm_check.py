@@ -4,14 +4,13 @@ the default target, exported, then loaded by vLLM (CPU build, its own venv)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, child_env
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +24,7 @@ HEADS = {"eagle3": ["head=eagle3", "head.ttt_steps=2"], "medusa": ["head=medusa"
 FORMATS = {"eagle3": {"vllm", "speculators"}, "medusa": {"medusa"}}
 K = 3              # EAGLE-3 draft tokens per pass (Medusa: its number of heads)
 TOLERANCE = 0.10
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
+ENV = child_env(OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
 
 
 @pytest.fixture(scope="module")

@@ -153,11 +153,50 @@ def build(fmt: str, head, target: TargetWeights, cfg: DictConfig, dtype: torch.d
     return tensors, config
 
 
-def target_name(cfg: DictConfig) -> str:
-    """How engines should find the target: a local directory (materialised) or its Hub id."""
-    from train.target import target_path
+# Licenses of the presets' targets (a draft head trained on a target's outputs ships under its terms).
+TARGET_LICENSES = {"HuggingFaceTB/SmolLM2-135M-Instruct": "apache-2.0", "Qwen/Qwen2.5-7B-Instruct": "apache-2.0",
+                   "Qwen/Qwen3-8B": "apache-2.0", "meta-llama/Llama-3.1-8B-Instruct": "llama3.1"}
+DRAFT_PLACEHOLDER_USER = "<your-hf-user>"
 
-    return cfg.model.path or (cfg.model.hub_id if cfg.model.source == "hf" else target_path(cfg))
+
+def target_name(cfg: DictConfig) -> str:
+    """How a published export names its target: the Hub id (``model.hub_id``, also for a local
+    ``model.path`` or a dequantised GGUF target), else the local directory's NAME only, else the preset
+    name (tiny targets). Never a local path: exports leave this machine. Local checks
+    (scripts/vllm_check.py) pass the local target to the engine explicitly."""
+    mcfg = cfg.model
+    if mcfg.hub_id:
+        return str(mcfg.hub_id)
+    if mcfg.path:
+        return Path(str(mcfg.path)).name
+    return str(mcfg.name)
+
+
+def target_note(cfg: DictConfig) -> str | None:
+    """A note for the card when :func:`target_name` is not a Hub id."""
+    if cfg.model.hub_id:
+        return None
+    where = "a local directory" if cfg.model.path else f"a {cfg.model.source} target"
+    return (f"The target `{target_name(cfg)}` is {where} without a Hub id (`model.hub_id`): replace it in the "
+            "commands below (and in the speculators config's `verifier.name_or_path`) with its Hub id or path.")
+
+
+def draft_repo(cfg: DictConfig, fmt: str) -> tuple[str, str | None]:
+    """(Hub repo of this export folder, note): ``publish.repo_id`` for the folder that publish sends,
+    else a placeholder ``<your-hf-user>/<model>-<head>-<fmt>`` (the publish stage fills in its repo id)."""
+    publish = cfg.get("publish") or {}
+    published_fmt = publish.get("format") or FORMATS[cfg.head.type][0]
+    if publish.get("repo_id") and fmt == published_fmt:
+        return str(publish.repo_id), None
+    repo = f"{DRAFT_PLACEHOLDER_USER}/{cfg.model.name}-{cfg.head.type}-{fmt}"
+    return repo, (f"`{repo}` is a placeholder: the Hub repo this folder is uploaded to (`publish.repo_id`; the "
+                  "publish stage writes it in), or a local path to this folder.")
+
+
+def card_license(cfg: DictConfig) -> str | None:
+    """``export.license``, else the target's license when known (TARGET_LICENSES), else None."""
+    explicit = (cfg.get("export") or {}).get("license")
+    return str(explicit) if explicit else TARGET_LICENSES.get(str(cfg.model.hub_id))
 
 
 def import_export(path: str | Path, fmt: str, target) -> torch.nn.Module:
@@ -195,6 +234,7 @@ def import_export(path: str | Path, fmt: str, target) -> torch.nn.Module:
 
 
 def serve_commands(fmt: str, path: str, cfg: DictConfig) -> str:
+    """Serve commands for the export at ``path`` (its Hub repo id in model cards), target by Hub id."""
     target = target_name(cfg)
     k = cfg.head.num_heads if fmt == "medusa" else cfg.export.num_speculative_tokens
     if fmt == "speculators":
@@ -211,20 +251,81 @@ def serve_commands(fmt: str, path: str, cfg: DictConfig) -> str:
             f"'{{\"method\": \"eagle3\", \"model\": \"{path}\", \"num_speculative_tokens\": {k}}}'")
 
 
-def model_card(fmt: str, path: Path, cfg: DictConfig, head, report: dict | None, train_summary: dict | None) -> str:
+def card_results(fmt: str, report: dict | None, vllm_check: dict | None) -> list[dict]:
+    """Measured figures for the card's model-index: per dataset and temperature (all categories), tau and
+    speedup of the recommended method (else the fastest lossless head method), and vLLM's own tau for
+    this export when scripts/vllm_check.py has checked it."""
+    out = []
+    if report:
+        recs = {(r["dataset"], r["temperature"]): r.get("method") for r in report.get("recommendations", [])
+                if r.get("category") == "all"}
+        rows = [r for r in report.get("results", []) if r.get("category") == "all" and r.get("method") != "plain"
+                and r.get("tau") is not None]
+        for key in dict.fromkeys((r["dataset"], r["temperature"]) for r in rows):
+            mine = [r for r in rows if (r["dataset"], r["temperature"]) == key]
+            best = next((r for r in mine if r["method"] == recs.get(key)), None) or max(mine, key=lambda r: r["speedup"])
+            where = f"{report.get('device')}, {report.get('dtype')}"
+            out += [{"dataset": key[0], "metric": "acceptance_length", "value": round(float(best["tau"]), 3),
+                     "name": f"tau ({best['method']}, T={key[1]}, specheads decoder, {where})"},
+                    {"dataset": key[0], "metric": "speedup", "value": round(float(best["speedup"]), 3),
+                     "name": f"speedup over plain decoding ({best['method']}, T={key[1]}, {where})"}]
+    if vllm_check:
+        exports = vllm_check.get("exports", {})
+        x = exports.get(fmt) or (exports.get("vllm") if fmt == "sglang" else None)
+        tau = (x or {}).get("vllm", {}).get("tau")
+        if tau is not None:
+            out.append({"dataset": "builtin", "metric": "vllm_acceptance_length", "value": round(float(tau), 3),
+                        "name": f"tau in {vllm_check.get('engine', 'vllm')} (k={x.get('k')}, greedy, "
+                                f"{vllm_check.get('dtype')}, {format_name(x)} export)"})
+    return out
+
+
+def format_name(x: dict) -> str:
+    return Path(str(x.get("folder", "?"))).name
+
+
+def model_card(fmt: str, path: Path | None, cfg: DictConfig, head, report: dict | None, train_summary: dict | None,
+               vllm_check: dict | None = None) -> str:
+    """The export's README.md: Hub metadata (base_model, library_name, tags, license, model-index with
+    the measured acceptance and speedup) and a body whose commands name the target's Hub id and the
+    draft's Hub repo -- no local path (``path`` is ignored: kept for callers)."""
+    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
     c = head.config
+    draft, draft_note = draft_repo(cfg, fmt)
+    target, t_note = target_name(cfg), target_note(cfg)
+    head_tag = cfg.head.type  # eagle3 | medusa
+    tags = ["speculative-decoding", head_tag, "draft-model", "specheads", f"{fmt}-format"]
+    if fmt in ("vllm", "speculators", "medusa"):
+        tags.append("vllm")
+    if fmt == "speculators":
+        tags.append("speculators")
+    if fmt == "sglang":
+        tags.append("sglang")
+    results = card_results(fmt, report, vllm_check)
+    model_name = f"{cfg.model.name}-{head_tag}-{fmt}"
+    data = ModelCardData(
+        base_model=str(cfg.model.hub_id) if cfg.model.hub_id else None,
+        # Who loads these files: the engines, not transformers (no AutoModel class for a draft head).
+        library_name="sglang" if fmt == "sglang" else "vllm",
+        pipeline_tag="text-generation", tags=tags, license=card_license(cfg), model_name=model_name,
+        eval_results=[EvalResult(task_type="text-generation", task_name="speculative decoding",
+                                 dataset_type=r["dataset"], dataset_name=r["dataset"], metric_type=r["metric"],
+                                 metric_name=r["name"], metric_value=r["value"]) for r in results] or None)
     lines = [
-        f"# {cfg.head.type.upper()} draft head for {cfg.model.hub_id or cfg.model.name} ({fmt} format)", "",
+        f"# {cfg.head.type.upper()} draft head for {target} ({fmt} format)", "",
         "Trained with specheads (speculative-decoding draft heads). Greedy decoding with this head is lossless:",
         "the engine verifies every drafted token with the target.", "",
         "## Target and data", "",
-        f"- target: `{cfg.model.hub_id or cfg.model.name}` (source: {cfg.model.source})",
-        f"- data: `{OmegaConf.to_yaml(cfg.data.sources).strip()}`, regenerated by the target: {cfg.data.regenerate}",
+        f"- target: `{target}` (source: {cfg.model.source})",
+        f"- data: `{_portable_sources(cfg)}`, regenerated by the target: {cfg.data.regenerate}",
         f"- draft vocabulary: {c.draft_vocab_size} of {c.vocab_size} target tokens",
     ]
     if isinstance(c, Eagle3Config):
         lines.append(f"- aux hidden states (HF hidden_states index = vLLM convention): {list(c.aux_layers)}; "
                      f"in this file's convention: {_ids_in_file(fmt, c)}")
+    if not card_license(cfg):
+        lines.append("- license: unknown for this target; set `export.license` (a Hub license key) before publishing")
     lines += ["", "## Training", "", "```yaml", OmegaConf.to_yaml(cfg.head).strip(), OmegaConf.to_yaml(cfg.train).strip(),
               "```"]
     if train_summary:
@@ -241,13 +342,39 @@ def model_card(fmt: str, path: Path, cfg: DictConfig, head, report: dict | None,
         lines.append(f"\nMeasured on {report.get('device')} ({report.get('dtype')}).")
     else:
         lines.append("No evaluation report was found when this export was written.")
+    if any(r["name"].startswith("tau in ") for r in results):
+        lines.append("The model-index also holds vLLM's own acceptance length for this export (scripts/vllm_check.py).")
     engine = "sglang" if fmt == "sglang" else "vllm"
-    lines += ["", "## Serving", "", f"Checked against: {ENGINES[engine]}.", "", "```bash",
-              serve_commands(fmt, str(path), cfg), "```"]
+    lines += ["", "## Serving", "", f"Checked against: {ENGINES[engine]}."]
+    lines += [item for n in (draft_note, t_note) if n for item in ("", f"Note: {n}")]
+    lines += ["", "```bash", serve_commands(fmt, draft, cfg), "```"]
     if fmt == "sglang" and c.aux_layers[0] != 2:
         lines += ["", "Note: some SGLang versions add +1 to these ids only when the first id is 1; with custom "
                   "aux layers check which hidden states your SGLang version captures."]
-    return "\n".join(lines) + "\n"
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
+    return portable(str(card), cfg)
+
+
+def _portable_sources(cfg: DictConfig) -> str:
+    """The data sources, local files by their NAME only."""
+    sources = OmegaConf.to_container(cfg.data.sources, resolve=True) or []
+    clean = [{k: (Path(str(v)).name if k == "path" and v else v) for k, v in s.items()} if isinstance(s, dict) else s
+             for s in sources]
+    return OmegaConf.to_yaml(OmegaConf.create(clean)).strip() if clean else "[]"
+
+
+def portable(text: str, cfg: DictConfig) -> str:
+    """Replace this machine's directories (run dir, cache dir, repository, home) left in ``text``."""
+    roots = []
+    for key, label in (("run_dir", "<run_dir>"), ("cache_dir", "<cache_dir>"), ("output_root", "<output_root>")):
+        value = cfg.get(key)
+        if value:
+            roots += [(str(Path(str(value)).expanduser().resolve()), label), (str(Path(str(value)).expanduser()), label)]
+    roots += [(str(Path(__file__).resolve().parents[1]), "<specheads>"), (str(Path.home()), "~")]
+    for root, label in sorted(set(roots), key=lambda r: -len(r[0])):
+        if len(root) > 1:
+            text = text.replace(root, label)
+    return text
 
 
 def _ids_in_file(fmt: str, c: Eagle3Config) -> list[int]:
@@ -270,6 +397,8 @@ def run(cfg: DictConfig) -> dict:
     report = json.loads(report_path.read_text()) if read_marker(cfg, "eval") and report_path.exists() else None
     summary_path = stage_dir(cfg, "train") / "summary.json"
     train_summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    check_path = out / "vllm_check.json"   # scripts/vllm_check.py's report of an earlier export of this run
+    vllm_check = json.loads(check_path.read_text()) if check_path.exists() else None
     written = {}
     for fmt in formats:
         tensors, config = build(fmt, head, target, cfg, dtype)
@@ -280,7 +409,7 @@ def run(cfg: DictConfig) -> dict:
         tmp.mkdir(parents=True)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        (tmp / "README.md").write_text(model_card(fmt, final.resolve(), cfg, head, report, train_summary))
+        (tmp / "README.md").write_text(model_card(fmt, None, cfg, head, report, train_summary, vllm_check))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         written[fmt] = str(final)

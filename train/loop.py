@@ -31,11 +31,12 @@ from data.stage import load_dataset, row_lengths
 from heads.frozen import TargetWeights
 from heads.io import build_head, head_config, save_head
 from train import dist
+from train.errors import UserError
 from train.extract import Captures, capture, capture_layers
 from train.log import log, progress
 from train.losses import StepStats, eagle3_loss, full_argmax, medusa_loss, target_view
 from train.plan import check_train_memory
-from train.stages import fingerprint, require, stage_dir
+from train.stages import RESUMABLE, config_parts, fingerprint, require, stage_dir, upstream_ids
 from train.target import load_target, load_weights, resolve_device, resolve_dtype
 from train.tracking import Tracker
 
@@ -185,18 +186,34 @@ def validate(head, kind, cfg, batches: Batches, rows: list[int], draft_rows, max
     return summarise(correct, weight)
 
 
-def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float, segment: list | None = None) -> float:
+    """Linear warmup, then cosine to ``min_ratio`` at ``total``. ``segment`` = [step0, ratio0] (a resumed run
+    whose budget changed): from step0 the cosine runs from ratio0 (the ratio reached) to ``min_ratio`` at
+    the new ``total``, so the learning rate does not jump."""
+    if segment is not None and step >= segment[0]:
+        progress_ = min(1.0, (step - segment[0]) / max(1, total - segment[0]))
+        return min_ratio + (segment[1] - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress_))
     if step < warmup:
         return (step + 1) / warmup
     progress_ = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress_))
 
 
+def param_groups(head: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups of the trainable parameters: decay on matrices (>= 2-D weights) only, none on norm
+    weights and biases (1-D) -- decaying RMSNorm gains towards 0 only hurts."""
+    named = [(n, p) for n, p in head.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
 def fit_schedule(state: dict, tcfg: DictConfig, step_s: float, elapsed_s: float) -> None:
     """Shrink the planned steps to what ``train.max_minutes`` allows at the measured step time (10% kept
-    for validation and checkpoints)."""
+    for validation and checkpoints). ``elapsed_s`` counts the training time of earlier (resumed) runs too:
+    the budget is for the whole run; a resumed run with a new budget refits from its current step."""
     state["fitted"] = True
-    fits = state["step"] + int((0.9 * tcfg.max_minutes * 60 - elapsed_s) / step_s)
+    fits = state["step"] + int((0.9 * tcfg.max_minutes * 60 - elapsed_s) / max(step_s, 1e-9))
     if fits < state["total_steps"]:
         state["total_steps"] = max(state["step"] + 1, fits)
         log(f"[train] {step_s:.1f} s/step: {state['total_steps']} steps fit train.max_minutes={tcfg.max_minutes}; "
@@ -297,35 +314,52 @@ def run(cfg: DictConfig) -> dict:
     state = {"step": 0, "best": -1.0, "bad_evals": 0, "history": [], "total_steps": planned_steps}
 
     params = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(param_groups(head, tcfg.weight_decay), lr=tcfg.lr, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_lambda(s, tcfg.warmup_steps, state["total_steps"], tcfg.min_lr_ratio))
+        optimizer, lambda s: lr_lambda(s, tcfg.warmup_steps, state["total_steps"], tcfg.min_lr_ratio, state.get("segment")))
     engine, _, _, _ = deepspeed.initialize(model=head, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(tcfg, dtype))
     model = engine.module
 
     fp = fingerprint(cfg, "train")
     ckpt_dir = out / "checkpoints"
+    identity = checkpoint_identity(cfg)
     latest = ckpt_dir / "latest"
     meta = ckpt_dir / latest.read_text().strip() / "client.json" if latest.exists() else None
-    if meta is not None and meta.exists() and json.loads(meta.read_text())["fingerprint"] == fp:
-        _, client = engine.load_checkpoint(str(ckpt_dir), load_module_strict=False)
-        state.update(client["state"])
-        set_rng_state(client["rng"])
-        log(f"[train] resumed from {meta.parent.name} (step {state['step']})")
-    elif ckpt_dir.exists():
-        log(f"[train] checkpoints in {ckpt_dir} are from another config; starting fresh")
-        dist.barrier()
-        if dist.is_main():
-            shutil.rmtree(ckpt_dir)
-        dist.barrier()
+    if meta is not None and meta.exists():
+        changed = checkpoint_changes(json.loads(meta.read_text()), identity)
+        blocking = [k for k in changed if k not in RESUMABLE["train"]]
+        if blocking and "train" not in cfg.force:
+            raise CheckpointMismatchError(
+                f"the training checkpoints in {ckpt_dir} were made with other settings: {', '.join(blocking)} "
+                f"changed. Add force=[train] to start over (the checkpoints are then deleted), or set the "
+                f"old value(s) back to resume")
+        if blocking:
+            log(f"[train] force=[train]: {', '.join(blocking)} changed; deleting {ckpt_dir} and starting over")
+            _remove_checkpoints(ckpt_dir)
+        else:
+            _, client = engine.load_checkpoint(str(ckpt_dir), load_module_strict=False)
+            state.update(client["state"])
+            set_rng_state(client["rng"])
+            if changed:
+                log(f"[train] resuming with changed {', '.join(changed)}")
+            if any(k in changed for k in ("train.max_minutes", "train.max_steps", "train.epochs")):
+                refit_budget(state, planned_steps, lr_lambda(state["step"], tcfg.warmup_steps, state["total_steps"],
+                                                             tcfg.min_lr_ratio, state.get("segment")))
+            log(f"[train] resumed from {meta.parent.name} (step {state['step']}, "
+                f"{state['total_steps']} steps planned)")
+    elif ckpt_dir.exists() and any(ckpt_dir.iterdir()):
+        if "train" not in cfg.force:  # a crash before the first checkpoint completed: nothing to resume
+            log(f"[train] {ckpt_dir} holds no complete checkpoint; starting fresh")
+        _remove_checkpoints(ckpt_dir)
 
     tracker = Tracker(cfg, "train", out / "metrics.jsonl", resume_step=state["step"])
     log(f"[train] {kind}: {sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, "
         f"{len(train_rows)} rows, {sum(lengths)} tokens/epoch, {steps_per_epoch} steps/epoch, {planned_steps} steps planned, "
         f"world {world} x accumulation {G}, device {device}, {dtype}")
     positions = tcfg.positions
-    start = time.time()
+    run_start = time.time()  # this process (throughputs)
+    start = run_start - state.get("train_s", 0.0)  # the whole run: the budget counts earlier (resumed) runs too
     side_s = [0.0]  # time spent validating and checkpointing (excluded from the training throughput)
     tokens_seen, last_log_t, last_log_tokens = 0, time.time(), 0
     bar = progress(total=state["total_steps"], initial=state["step"], desc=f"train {kind}", unit="step")
@@ -359,7 +393,9 @@ def run(cfg: DictConfig) -> dict:
         tag = f"step{state['step']:07d}"
         if dist.is_main():  # written first: `latest` only moves to this tag once DeepSpeed has saved it
             (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
-            (ckpt_dir / tag / "client.json").write_text(json.dumps({"fingerprint": fp, "step": state["step"]}))
+            (ckpt_dir / tag / "client.json").write_text(json.dumps({"fingerprint": fp, "step": state["step"],
+                                                                     "identity": identity}))
+        state["train_s"] = time.time() - start
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"state": state, "rng": rng_state()})
         if dist.is_main():
             tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step"))
@@ -428,14 +464,14 @@ def run(cfg: DictConfig) -> dict:
     if not state["history"] or state["history"][-1]["step"] != state["step"]:
         evaluate("end")
     checkpoint()
-    elapsed = time.time() - start
+    elapsed, own = time.time() - start, time.time() - run_start  # the whole run's / this process's time
     best = json.loads((out / "head" / "metrics.json").read_text())
     steps_per_rank = dist.all_gather_objects(state["step"])
     if len(set(steps_per_rank)) != 1:
         raise RuntimeError(f"ranks ran different step counts {steps_per_rank}: a rank-local decision (bug)")
     summary = {"steps": state["step"], "steps_per_rank": steps_per_rank, "best": best, "wall_s": round(elapsed, 1),
-               "tokens_per_s": round(tokens_seen * world / max(elapsed, 1e-9), 1),
-               "train_tokens_per_s": round(tokens_seen * world / max(elapsed - side_s[0], 1e-9), 1),
+               "tokens_per_s": round(tokens_seen * world / max(own, 1e-9), 1),
+               "train_tokens_per_s": round(tokens_seen * world / max(own - side_s[0], 1e-9), 1),
                "validation_checkpoint_s": round(side_s[0], 1),
                "peak_rss_gib": round(_peak_rss() / 2**30, 2), "history": state["history"],
                "config": OmegaConf.to_container(cfg.train, resolve=True)}
@@ -445,6 +481,54 @@ def run(cfg: DictConfig) -> dict:
     log(f"[train] done: {state['step']} steps in {elapsed / 60:.1f} min, {summary['tokens_per_s']} tok/s; "
         f"best validation sim_tau {best['sim_tau']:.3f} (step {best['step']}) -> {out / 'head'}")
     return {"head": str(out / "head"), "best": best, "steps": state["step"], "tokens_per_s": summary["tokens_per_s"]}
+
+
+class CheckpointMismatchError(UserError):
+    """The train stage's checkpoints were made with settings that change the result (names the keys)."""
+
+
+def checkpoint_identity(cfg: DictConfig) -> dict:
+    """What a training checkpoint depends on, by dotted key: the train stage's config keys (bookkeeping
+    keys of train.stages.IGNORED left out) and the upstream stages' output ids."""
+    flat = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+        else:
+            flat[prefix] = value
+
+    for key, value in config_parts(cfg, "train").items():
+        walk(key, value)
+    for name, oid in upstream_ids(cfg, "train").items():
+        flat[f"upstream {name} output"] = oid
+    return json.loads(json.dumps(flat, default=str))
+
+
+def checkpoint_changes(client: dict, identity: dict) -> list[str]:
+    """Keys whose value differs between a checkpoint's ``client.json`` and ``identity`` (a checkpoint
+    written before identities were stored: ``the checkpoint format``)."""
+    old = client.get("identity")
+    if old is None:
+        return ["the checkpoint format (written by an older version)"]
+    return sorted(k for k in old.keys() | identity.keys() if old.get(k) != identity.get(k))
+
+
+def refit_budget(state: dict, planned_steps: int, lr_ratio: float) -> None:
+    """A resumed run whose budget (max_minutes / max_steps / epochs) changed: the planned steps are those of
+    the new budget, fitted again to train.max_minutes once steps are timed, and the cosine continues from
+    the learning-rate ratio reached to its end at the new total (:func:`lr_lambda`)."""
+    state["total_steps"] = max(planned_steps, state["step"])
+    state["fitted"] = False
+    state["segment"] = [state["step"], lr_ratio]
+
+
+def _remove_checkpoints(ckpt_dir) -> None:
+    dist.barrier()
+    if dist.is_main():
+        shutil.rmtree(ckpt_dir)
+    dist.barrier()
 
 
 def _n_steps(cfg: DictConfig, validation: bool = False) -> int:

@@ -2,7 +2,9 @@
 
 Only the files of that export folder are sent -- never training data, hidden states, checkpoints or
 optimizer state. ``publish.dry_run=true`` lists exactly what would be sent and sends nothing. A
-missing token, a missing export or a malformed repo id is an error before anything is sent.
+missing token, a missing export, a malformed repo id or a local path in the card or config.json is an
+error before anything is sent. The model card's placeholder repo (``<your-hf-user>/...``, written when
+``publish.repo_id`` was unset at export time) is replaced by ``publish.repo_id`` in the uploaded copy.
 """
 
 from __future__ import annotations
@@ -11,10 +13,10 @@ import os
 import re
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from train.errors import UserError
-from train.export import FORMATS
+from train.export import FORMATS, draft_repo, portable
 from train.log import log
 from train.stages import require, stage_dir
 
@@ -37,6 +39,24 @@ def files_to_send(folder: Path) -> list[Path]:
     return files
 
 
+def local_paths(folder: Path, cfg: DictConfig) -> list[str]:
+    """Text files of the export that still name a directory of this machine."""
+    return [name for name in ("README.md", "config.json") if (folder / name).exists()
+            and portable((folder / name).read_text(), cfg) != (folder / name).read_text()]
+
+
+def published_card(folder: Path, cfg: DictConfig, fmt: str) -> str | None:
+    """The card as uploaded: the placeholder repo replaced by ``publish.repo_id`` (None: no card)."""
+    card = folder / "README.md"
+    if not card.exists():
+        return None
+    placeholder, _ = draft_repo(OmegaConf.merge(cfg, {"publish": {"repo_id": None}}), fmt)
+    text = card.read_text()
+    lines = [line for line in text.splitlines(keepends=True)
+             if not (line.startswith("Note: ") and f"`{placeholder}` is a placeholder" in line)]
+    return "".join(lines).replace(placeholder, str(cfg.publish.repo_id))
+
+
 def resolve_token(pcfg: DictConfig) -> str | None:
     from huggingface_hub import get_token
 
@@ -55,19 +75,27 @@ def run(cfg: DictConfig) -> dict:
     if not folder.is_dir():
         raise PublishError(f"no export folder {folder}; run the export stage with this format first")
     files = files_to_send(folder)
+    leaks = local_paths(folder, cfg)
+    if leaks:
+        raise PublishError(f"{leaks} in {folder} name directories of this machine; rerun the export stage "
+                           "(force=[export]) so that they name Hub ids only")
+    card = published_card(folder, cfg, fmt)
     listing = [{"path": str(p.relative_to(folder)), "bytes": p.stat().st_size} for p in files]
     for item in listing:
         log(f"[publish] {'would send' if pcfg.dry_run else 'sending'} {item['path']} ({item['bytes']} bytes)")
     if pcfg.dry_run:
-        return {"dry_run": True, "repo_id": pcfg.repo_id, "private": pcfg.private, "files": listing}
+        return {"dry_run": True, "repo_id": pcfg.repo_id, "private": pcfg.private, "files": listing, "card": card}
     token = resolve_token(pcfg)
     if not token:
         raise PublishError("no Hugging Face token: set HF_TOKEN, publish.token, or run `huggingface-cli login`")
-    from huggingface_hub import HfApi
+    from huggingface_hub import CommitOperationAdd, HfApi
 
     api = HfApi(token=token)
     url = api.create_repo(pcfg.repo_id, private=pcfg.private, exist_ok=True, repo_type="model")
-    api.upload_folder(repo_id=pcfg.repo_id, folder_path=str(folder), allow_patterns=[i["path"] for i in listing],
+    operations = [CommitOperationAdd(path_in_repo=str(p.relative_to(folder)),
+                                     path_or_fileobj=card.encode() if p.name == "README.md" and card is not None else str(p))
+                  for p in files]
+    api.create_commit(repo_id=pcfg.repo_id, operations=operations, repo_type="model",
                       commit_message=f"Upload {cfg.head.type} draft head ({fmt} format)")
     log(f"[publish] uploaded {len(listing)} files to {url}")
     return {"dry_run": False, "repo_id": pcfg.repo_id, "url": str(url), "files": listing}

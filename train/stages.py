@@ -2,10 +2,12 @@
 
 Each stage is a module with one entry function ``run(cfg) -> dict`` that reads its inputs from the
 run directory and writes into ``<run_dir>/<stage>/``. When it returns, rank 0 writes
-``<run_dir>/<stage>/_complete.json`` with the stage's fingerprint (a hash of the config keys it
-depends on and of its upstream stages' fingerprints) and what the stage reported. A stage whose
-marker holds the current fingerprint is skipped; otherwise it runs (and resumes whatever partial
-work it finds, e.g. extraction shards or training checkpoints).
+``<run_dir>/<stage>/_complete.json`` with the stage's fingerprint and the identity of its output
+(``output_id``, see :data:`OUTPUTS`). The fingerprint hashes the config keys that change the stage's
+result (:data:`DEPENDS` minus :data:`IGNORED`) and the OUTPUT identities of its upstream stages (not
+their configs): an upstream rerun that writes identical output does not invalidate what follows.
+A stage whose marker holds the current fingerprint is skipped; otherwise it runs (and resumes whatever
+partial work it finds, e.g. extraction shards, training checkpoints, eval records).
 """
 
 from __future__ import annotations
@@ -32,14 +34,39 @@ ENTRY = {
     "export": "train.export",
     "publish": "train.publish",
 }
-# Config keys each stage depends on (dotted paths into the composed config).
+# Config keys each stage depends on (dotted paths into the composed config). `seed` stays in `data`: the
+# data stage uses it (assign_splits' seeded hash of row ids, synth sources without a seed of their own).
+# `eval.questions` is there because rows overlapping those prompts are dropped (no other eval key is).
 DEPENDS = {
     "data": ["model", "data", "head.draft_vocab_size", "eval.questions", "seed"],
     "extract": ["model", "head.type", "head.aux_layers", "extract"],
     "train": ["head", "train", "seed"],
-    "eval": ["eval", "seed"],
+    "eval": ["eval", "seed", "data.system_prompt", "data.thinking"],
     "export": ["export"],
     "publish": ["publish"],
+}
+# Keys inside DEPENDS that do NOT change a stage's result (where, how fast or how verbosely it runs):
+# changing one neither reruns the stage nor invalidates what follows.
+IGNORED = {
+    "data": ["data.regen.dir", "data.synth_dir", "data.regen.batch_size", "data.regen.backend", "data.regen.url",
+             "data.regen.model", "data.regen.concurrency", "data.regen.timeout_s", "data.regen.retries",
+             "data.regen.vllm"],  # the regeneration cache is keyed by target + sampling, not by the engine
+    "extract": ["extract.disk_margin"],  # not shard_mb: shards are named by index, a fingerprint must tell them apart
+    "train": ["train.log_every", "train.num_threads", "train.keep_checkpoints", "train.checkpoint_every",
+              "train.prefetch"],
+    "eval": ["eval.num_threads"],
+}
+# Keys that rerun the train stage (its result may differ) but keep its checkpoints: the run continues from
+# the latest checkpoint with the new value (budgets: a longer train.max_minutes continues training, the
+# schedule refitted from the current step; validation settings only change what is measured from now on).
+RESUMABLE = {"train": ["train.max_minutes", "train.max_steps", "train.epochs", "train.patience",
+                       "train.eval_every", "train.val_tokens", "train.val_steps"]}
+# Files whose content is a stage's output identity (hashed into `output_id` of its marker; downstream
+# fingerprints use it). Stages not listed use their own fingerprint.
+OUTPUTS = {
+    "data": ["dataset/*/*.arrow", "vocab.safetensors"],
+    "extract": ["manifest.json"],
+    "train": ["head/*.safetensors", "head/config.json"],
 }
 # Bumped when a stage's output format changes, so older outputs are redone rather than misread.
 FORMAT_VERSION = {"extract": 2}
@@ -67,13 +94,59 @@ def read_marker(cfg: DictConfig, name: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def fingerprint(cfg: DictConfig, name: str) -> str:
+def config_parts(cfg: DictConfig, name: str) -> dict:
+    """The resolved values of the keys stage ``name`` depends on, :data:`IGNORED` keys removed."""
     parts = {}
     for key in DEPENDS[name]:
         value = OmegaConf.select(cfg, key)
         parts[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-    parts["upstream"] = {u: (read_marker(cfg, u) or {}).get("fingerprint") for u in upstream(cfg, name)}
+    for key in IGNORED.get(name, []):
+        for dep in DEPENDS[name]:
+            if key == dep:
+                parts.pop(dep, None)
+            elif key.startswith(dep + ".") and isinstance(parts.get(dep), dict):
+                node, *path, leaf = [parts[dep], *key[len(dep) + 1:].split(".")]
+                for k in path:
+                    node = node.get(k) if isinstance(node, dict) else None
+                if isinstance(node, dict):
+                    node.pop(leaf, None)
+    return parts
+
+
+def upstream_ids(cfg: DictConfig, name: str) -> dict:
+    """Each upstream stage's output identity (``output_id`` of its marker; its fingerprint for markers
+    written before output ids existed; None when it has not run)."""
+    ids = {}
+    for u in upstream(cfg, name):
+        marker = read_marker(cfg, u) or {}
+        ids[u] = marker.get("output_id") or marker.get("fingerprint")
+    return ids
+
+
+def fingerprint(cfg: DictConfig, name: str) -> str:
+    parts = config_parts(cfg, name)
+    parts["upstream"] = upstream_ids(cfg, name)
     parts["format_version"] = FORMAT_VERSION.get(name, 1)
+    return _hash(parts)
+
+
+def output_id(cfg: DictConfig, name: str, fp: str) -> str:
+    """A hash of the stage's output files (:data:`OUTPUTS`) and its upstream output ids; ``fp`` for
+    stages without such files."""
+    patterns = OUTPUTS.get(name)
+    if not patterns:
+        return fp
+    h = hashlib.sha256(json.dumps(upstream_ids(cfg, name), sort_keys=True).encode())
+    root = stage_dir(cfg, name)
+    for path in sorted({p for pat in patterns for p in root.glob(pat)}):
+        h.update(str(path.relative_to(root)).encode() + b"\0")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
+def _hash(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -140,7 +213,8 @@ def shares_work(cfg: DictConfig, name: str) -> bool:
 
 def _write_marker(cfg: DictConfig, name: str, fp: str, start: float, out: dict | None) -> dict:
     """The stage's ``_complete.json`` (written by rank 0, atomically)."""
-    marker = {"stage": name, "fingerprint": fp, "wall_s": round(time.time() - start, 1),
+    marker = {"stage": name, "fingerprint": fp,
+              "output_id": output_id(cfg, name, fp) if dist.is_main() else None, "wall_s": round(time.time() - start, 1),
               "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "outputs": out or {}}
     if dist.is_main():
         tmp = stage_dir(cfg, name) / (MARKER + ".tmp")

@@ -1,0 +1,298 @@
+"""Resume that never throws work away: fingerprints that count only what changes a stage's result and
+chain stages by their upstream's OUTPUT identity; training checkpoints refused (never deleted silently)
+when a result-changing key differs, continued when only a budget/bookkeeping key did (a longer
+train.max_minutes continues the run); eval resumes from its per-prompt records; the data stage's
+regeneration survives a real SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train.loop
+import train.stages as stages
+from tests.conftest import make_cfg
+from tests.test_pipeline import BASE, cli, fresh_run
+from tests.test_pipeline import prepared as prepared  # noqa: F401  (a module fixture, re-exported)
+from train.errors import UserError
+from train.stages import fingerprint, read_marker, run_stages, stage_dir
+
+
+def fp(name: str, *overrides: str, tmp: Path) -> str:
+    return fingerprint(make_cfg([*BASE, *overrides], tmp), name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fingerprints
+
+
+@pytest.mark.parametrize(("stage", "override", "counts"), [
+    ("data", "eval.limit=3", False),
+    ("data", "eval.temperatures=[0.0,1.0]", False),
+    ("data", "eval.questions=q.jsonl", True),           # rows overlapping those prompts are dropped
+    ("data", "data.regen.batch_size=3", False),
+    ("data", "data.regen.backend=openai", False),
+    ("data", "data.regen.max_new_tokens=7", True),
+    ("data", "train.lr=1e-5", False),
+    ("extract", "extract.disk_margin=2", False),
+    ("extract", "extract.dtype=bfloat16", True),
+    ("extract", "seed=5", False),
+    ("train", "train.log_every=7", False),
+    ("train", "train.num_threads=2", False),
+    ("train", "train.keep_checkpoints=5", False),
+    ("train", "train.checkpoint_every=9", False),
+    ("train", "train.prefetch=0", False),
+    ("train", "dist_timeout_minutes=5", False),
+    ("train", "tracking=wandb", False),
+    ("train", "planner.enforce=false", False),
+    ("train", "eval.limit=3", False),
+    ("train", "train.max_minutes=3", True),             # reruns the stage, but resumes its checkpoints
+    ("train", "train.lr=1e-5", True),
+    ("eval", "eval.num_threads=1", False),
+    ("eval", "eval.limit=3", True),
+])
+def test_fingerprints_count_only_what_changes_the_result(tmp_path, stage, override, counts):
+    assert (fp(stage, override, tmp=tmp_path) != fp(stage, tmp=tmp_path)) is counts
+
+
+def test_an_identical_upstream_rerun_keeps_downstream(prepared, tmp_path):
+    """force=[data] rewrites the same rows: extract and train stay up to date (upstream OUTPUT identity)."""
+    cfg = fresh_run(prepared, tmp_path, "stages=[data,extract,train]", "train.max_steps=2")
+    run_stages(cfg)
+    before = {s: read_marker(cfg, s) for s in ("data", "extract", "train")}
+    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", "stages=[data,extract,train]", "train.max_steps=2",
+                         "force=[data]"]))
+    after = {s: read_marker(cfg, s) for s in ("data", "extract", "train")}
+    assert after["data"]["finished_at"] >= before["data"]["finished_at"]
+    assert after["data"]["output_id"] == before["data"]["output_id"]
+    assert after["extract"] == before["extract"] and after["train"] == before["train"]
+    # Rows that do change (another vocabulary size) reach the downstream fingerprints.
+    other = make_cfg([*BASE, f"output_root={tmp_path}", "head.draft_vocab_size=48", "stages=[data]"])
+    run_stages(other)
+    assert read_marker(cfg, "data")["output_id"] != before["data"]["output_id"]
+    assert fingerprint(other, "extract") != before["extract"]["fingerprint"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training checkpoints
+
+
+def logged(monkeypatch) -> list[str]:
+    lines: list[str] = []
+    real = train.loop.log
+    monkeypatch.setattr(train.loop, "log", lambda msg, *a: (lines.append(msg), real(msg, *a)))
+    return lines
+
+
+def train_metrics(cfg) -> list[dict]:
+    lines = (stage_dir(cfg, "train") / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if "train/loss" in line]
+
+
+def test_changed_result_key_refuses_and_force_starts_over(prepared, tmp_path, monkeypatch):
+    cfg = fresh_run(prepared, tmp_path, "stages=[train]")
+    run_stages(cfg)
+    ckpt = stage_dir(cfg, "train") / "checkpoints"
+    tags = sorted(p.name for p in ckpt.iterdir() if p.is_dir())
+    (stage_dir(cfg, "train") / stages.MARKER).unlink()  # as after a crash at the end
+    changed = make_cfg([*BASE, f"output_root={tmp_path}", "stages=[train]", "train.lr=1e-4", "head.ttt_decay=0.5"])
+    with pytest.raises(UserError, match=r"head\.ttt_decay, train\.lr changed.*force=\[train\]") as err:
+        run_stages(changed)
+    assert isinstance(err.value, train.loop.CheckpointMismatchError)
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == tags  # nothing deleted
+    lines = logged(monkeypatch)
+    changed.force = ["train"]
+    run_stages(changed)
+    assert any("deleting" in line and "train.lr" in line for line in lines)
+    assert [m["step"] for m in train_metrics(changed)][-6:] == list(range(1, 7))  # trained from step 0
+    client = json.loads((ckpt / (ckpt / "latest").read_text().strip() / "client.json").read_text())
+    assert client["identity"]["train.lr"] == 1e-4
+
+
+def test_bookkeeping_keys_skip_or_resume(prepared, tmp_path, monkeypatch):
+    cfg = fresh_run(prepared, tmp_path, "stages=[train]")
+    run_stages(cfg)
+    marker = read_marker(cfg, "train")
+    head = load_file(str(stage_dir(cfg, "train") / "head/model.safetensors"))
+    # Pure bookkeeping: the stage stays up to date.
+    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", "stages=[train]", "train.log_every=5",
+                         "train.keep_checkpoints=3", "train.num_threads=2", "dist_timeout_minutes=9"]))
+    assert read_marker(cfg, "train") == marker
+    # A validation setting: the stage reruns, resumes its last checkpoint, trains nothing again.
+    lines = logged(monkeypatch)
+    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", "stages=[train]", "train.eval_every=2"]))
+    assert any("resuming with changed train.eval_every" in line for line in lines)
+    assert any("resumed from step0000006" in line for line in lines)
+    assert [m["step"] for m in train_metrics(cfg)] == list(range(1, 7))
+    torch.testing.assert_close(load_file(str(stage_dir(cfg, "train") / "head/model.safetensors")), head)
+
+
+def test_a_longer_time_budget_continues_the_run(prepared, tmp_path, monkeypatch):
+    """train.max_minutes extended: resumed from the last checkpoint, the schedule refitted from the current
+    step (the learning rate continues its decay, no jump), training goes on instead of starting over."""
+    budget = ["stages=[train]", "train.max_steps=100000", "train.checkpoint_every=100000", "train.warmup_steps=2"]
+    cfg = fresh_run(prepared, tmp_path, *budget, "train.max_minutes=0.04")
+    run_stages(cfg)
+    first_summary = json.loads((stage_dir(cfg, "train") / "summary.json").read_text())
+    first, first_wall = first_summary["steps"], first_summary["wall_s"]
+    assert 2 < first < 100000
+    lr_before = [m["lr"] for m in train_metrics(cfg)]
+    lines = logged(monkeypatch)
+    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", *budget, "train.max_minutes=0.08"]))
+    summary = json.loads((stage_dir(cfg, "train") / "summary.json").read_text())
+    assert any(f"resumed from step{first:07d}" in line for line in lines)
+    assert summary["steps"] > first
+    metrics = train_metrics(cfg)
+    assert [m["step"] for m in metrics] == list(range(1, summary["steps"] + 1))  # continued, not restarted
+    assert metrics[first]["lr"] <= lr_before[-1] * 1.0001  # no jump up
+    assert metrics[-1]["lr"] < metrics[first]["lr"] or metrics[first]["lr"] == pytest.approx(
+        metrics[-1]["lr"])
+    assert summary["wall_s"] > first_wall  # the budget counts both runs
+
+
+def test_budget_is_for_the_whole_run():
+    """fit_schedule: earlier runs' time is in elapsed_s; a refit continues the cosine from the ratio reached."""
+    from omegaconf import OmegaConf
+
+    state = {"step": 10, "total_steps": 1000}
+    train.loop.fit_schedule(state, OmegaConf.create({"max_minutes": 1}), step_s=1.0, elapsed_s=30.0)
+    assert state["total_steps"] == 10 + 24 and state["fitted"]
+    ratio = train.loop.lr_lambda(34, 2, 34, 0.1)
+    train.loop.refit_budget(state | {"step": 34}, 100, ratio)
+    segment = [34, ratio]
+    assert train.loop.lr_lambda(34, 2, 100, 0.1, segment) == pytest.approx(ratio)
+    assert train.loop.lr_lambda(100, 2, 100, 0.1, segment) == pytest.approx(0.1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Eval records
+
+
+def fake_train(cfg) -> dict:
+    from eval.bench import random_head
+    from heads.io import save_head
+    from train.target import load_target
+
+    head = random_head(cfg.head.type, load_target(cfg), cfg.head, torch.arange(200))
+    save_head(head, stages.stage_dir(cfg, "train") / "head")
+    return {}
+
+
+def test_eval_resumes_from_its_records(tmp_path, monkeypatch):
+    import eval.stage
+
+    torch.set_num_threads(1)
+    monkeypatch.setitem(sys.modules, "fake_train", types.SimpleNamespace(run=fake_train))
+    monkeypatch.setitem(stages.ENTRY, "train", "fake_train")
+    overrides = ["model=tiny-llama", "stages=[train,eval]", "eval.datasets=[builtin]", "eval.limit=4",
+                 "eval.warmup=0", "eval.max_new_tokens=8", "eval.tree.sizes=[1,2,4]", "eval.tree.context=32",
+                 "eval.tree.calibration_prompts=1", "eval.methods=[eagle3-tree]", "eval.temperatures=[0.0,1.0]"]
+    cfg = make_cfg(overrides, tmp_path)
+    calls = []
+    real_converse, real_size = eval.stage.converse, eval.stage.size_tree
+    monkeypatch.setattr(eval.stage, "converse", lambda *a, **k: (calls.append(a[3].id), real_converse(*a, **k))[1])
+    sized = []
+    monkeypatch.setattr(eval.stage, "size_tree", lambda *a: (sized.append(1), real_size(*a))[1])
+    run_stages(cfg)
+    out = stage_dir(cfg, "eval")
+    straight = json.loads((out / "report.json").read_text())
+    records = (out / "records.jsonl").read_text().splitlines()
+    assert len(records) == 4 * 2 * 2 and len(sized) == 1
+
+    # A crash after 5 prompt records (2 prompts and a half) plus a torn line; the marker and report gone.
+    (out / "records.jsonl").write_text("\n".join(records[:5]) + "\n" + records[5][:30])
+    for name in (stages.MARKER, "report.json"):
+        (out / name).unlink()
+    calls.clear()
+    run_stages(cfg)
+    # 8 prompt x temperature pairs, 2 complete kept: 6 decoded again, 2 methods each; the tree sizing reused.
+    assert len(calls) == 6 * 2 and len(sized) == 1
+    resumed = json.loads((out / "report.json").read_text())
+    assert resumed["tree"] == json.loads(json.dumps(straight["tree"]))
+    assert [(r["dataset"], r["category"], r["method"], r["temperature"], r["n_prompts"]) for r in resumed["results"]] \
+        == [(r["dataset"], r["category"], r["method"], r["temperature"], r["n_prompts"]) for r in straight["results"]]
+    again = (out / "records.jsonl").read_text().splitlines()
+    assert again[:4] == records[:4] and len(again) == 16
+    keys = [(json.loads(r)["id"], json.loads(r)["method"], json.loads(r)["temperature"]) for r in again]
+    assert len(set(keys)) == 16
+
+    # force=[eval] starts over.
+    calls.clear()
+    run_stages(make_cfg([*overrides, "force=[eval]"], tmp_path))
+    assert len(calls) >= 8 * 2 and len(sized) == 2  # (+ the tree sizing's calibration decodes)
+
+
+EVAL = ["eval.datasets=[builtin]", "eval.limit=4", "eval.warmup=0", "eval.max_new_tokens=24",
+        "eval.tree.total_tokens=4", "eval.methods=[eagle3-tree]", "train.max_steps=2"]
+
+
+def test_eval_killed_for_real_resumes(prepared, tmp_path, monkeypatch):
+    """SIGKILL once the first prompt's records are on disk; the rerun decodes only the missing prompts."""
+    import eval.stage
+
+    cfg = fresh_run(prepared, tmp_path, "stages=[train]", *EVAL)
+    run_stages(cfg)
+    records = stage_dir(cfg, "eval") / "records.jsonl"
+    proc = cli(["stages=[eval]", *EVAL], tmp_path)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not (
+            records.exists() and records.read_text().count("\n") >= 2):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    kept = records.read_text().count("\n") // 2  # prompts whose 2 records were written
+    assert 1 <= kept < 4 and read_marker(cfg, "eval") is None
+    calls = []
+    real = eval.stage.converse
+    monkeypatch.setattr(eval.stage, "converse", lambda *a, **k: (calls.append(a[3].id), real(*a, **k))[1])
+    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", "stages=[eval]", *EVAL]))
+    assert len(calls) == (4 - kept) * 2
+    lines = [json.loads(line) for line in records.read_text().splitlines()]
+    assert len({(r["id"], r["method"]) for r in lines}) == len(lines) == 8
+    report = json.loads((stage_dir(cfg, "eval") / "report.json").read_text())
+    assert {r["method"] for r in report["results"]} == {"plain", "eagle3-tree"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data regeneration killed for real
+
+
+REGEN = ["data.sources=[{type:builtin,limit:48}]", "data.regen.max_new_tokens=32", "data.regen.batch_size=4",
+         "stages=[data]"]
+
+
+def test_data_regeneration_survives_sigkill(tmp_path):
+    from data.regenerate import read_cache
+
+    ref = make_cfg([*BASE, *REGEN], tmp_path / "ref")
+    run_stages(ref)
+    cache = Path(json.loads((stage_dir(ref, "data") / "stats.json").read_text())["regeneration"]["file"])
+    reference = read_cache(cache)
+
+    cfg = make_cfg([*BASE, *REGEN], tmp_path / "b")
+    target = Path(str(cache).replace(str(tmp_path / "ref"), str(tmp_path / "b")))
+    proc = cli(REGEN, tmp_path / "b")
+    deadline = time.time() + 300
+    while time.time() < deadline and not (target.exists() and target.read_text().count("\n") >= 1):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    at_kill = read_cache(target)
+    complete = sum(r["complete"] for r in at_kill.values())
+    assert 0 < complete < len(reference) and read_marker(cfg, "data") is None
+
+    run_stages(cfg)
+    stats = json.loads((stage_dir(cfg, "data") / "stats.json").read_text())["regeneration"]
+    assert stats["cached"] == complete and stats["generated"] == len(reference) - complete
+    finished = [json.loads(line)["key"] for line in target.read_text().splitlines() if json.loads(line)["complete"]]
+    assert len(finished) == len(set(finished)) == len(reference)  # no conversation finished twice
+    assert read_cache(target) == reference
+    assert read_marker(cfg, "data")["output_id"] == read_marker(ref, "data")["output_id"]

@@ -1,0 +1,165 @@
+"""Smoke tests of every script in scripts/ on the tiny random target (so that none can rot again), and
+the optimizer's weight-decay groups.
+
+Each script runs as a subprocess, as a user would run it, with arguments that make it tiny, and must
+exit 0 and print its figures. scripts/vllm_check.py is covered by tests/test_vllm_check.py (slow tier);
+scripts/gpu_check.sh needs nvidia-smi: only parsed here (``bash -n``), like the setup scripts.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import child_env, make_cfg
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+# The tiny source run the stage-reading benchmarks copy from (data + extract, 12 prompts).
+SOURCE = ["model=tiny-llama", "data.sources=[{type:builtin,limit:12}]", "data.regen.max_new_tokens=16",
+          "head.draft_vocab_size=96", "extract.dtype=float32"]
+
+
+def run_script(name: str, *args: str, timeout: int = 300) -> str:
+    """Run scripts/<name> like a user; assert exit status 0; return stdout + stderr."""
+    env = child_env(OMP_NUM_THREADS="1", WANDB_SILENT="true", TQDM_DISABLE="1")
+    proc = subprocess.run([sys.executable, str(SCRIPTS / name), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{out[-4000:]}"
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """``prepare(head)`` -> Hydra overrides naming a tiny run whose data + extract stages are done."""
+    from train.stages import run_stages
+
+    root = tmp_path_factory.mktemp("bench-source")
+    done: set[str] = set()
+
+    def prepare(*heads: str) -> list[str]:
+        overrides = [*SOURCE, f"output_root={root}"]
+        for head in heads:
+            if head not in done:
+                run_stages(make_cfg([*overrides, f"head={head}", "stages=[data,extract]"]))
+                done.add(head)
+        return overrides
+
+    return prepare
+
+
+def test_every_script_has_a_smoke_test():
+    """A new script gets a test here (or a reason not to)."""
+    covered = {"_bench.py", "bench_decode.py", "bench_extract.py", "bench_gpu_scale.py", "bench_levers.py",
+               "bench_train.py", "bench_ttt_attention.py", "gpu_check.sh", "setup_env.sh", "setup_vllm_env.sh",
+               "vllm_check.py"}   # vllm_check.py: tests/test_vllm_check.py
+    assert {p.name for p in SCRIPTS.iterdir() if p.is_file()} <= covered
+
+
+@pytest.mark.parametrize("name", ["gpu_check.sh", "setup_env.sh", "setup_vllm_env.sh"])
+def test_shell_scripts_parse(name):
+    assert subprocess.run(["bash", "-n", str(SCRIPTS / name)], capture_output=True).returncode == 0
+
+
+def test_bench_ttt_attention():
+    out = run_script("bench_ttt_attention.py", "--T", "32", "64", "--steps", "1", "--heads", "2", "--kv-heads", "1",
+                     "--head-dim", "8")
+    rows = re.findall(r"^\s+(\d+)\s+(old|new)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+    assert {(t, impl) for t, impl, *_ in rows} == {("32", "old"), ("32", "new"), ("64", "old"), ("64", "new")}, out
+
+
+def test_bench_gpu_scale_on_a_tiny_preset():
+    import json
+
+    out = run_script("bench_gpu_scale.py", "--model", "tiny-llama", "--steps", "1", "--row-len", "32",
+                     "head.draft_vocab_size=64", "train.micro_batch_tokens=64", "extract.batch_tokens=64")
+    figures = json.loads(out.strip().splitlines()[-1])
+    assert figures["model"] == "tiny-llama" and figures["extract"]["tokens_per_s"] > 0
+    assert figures["train"]["tokens_per_s"] > 0 and figures["train"]["draft_vocab"] == 64
+
+
+def test_bench_decode_eagle3():
+    out = run_script("bench_decode.py", "--model", "tiny-llama", "--prompts", "1", "--max-new-tokens", "8",
+                     "eval.tree.total_tokens=4", "eval.tree.sizes=[1,2,4]", "head.draft_vocab_size=64")
+    assert "verify time vs tree tokens" in out and "EAGLE tree total_tokens = 4" in out
+    assert re.search(r"^\s+eagle3-tree\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+%\s+True$", out, re.M), out
+
+
+@pytest.mark.slow
+def test_bench_decode_medusa():
+    out = run_script("bench_decode.py", "--model", "tiny-llama", "--head", "medusa", "--prompts", "1",
+                     "--max-new-tokens", "8", "eval.tree.sizes=[1,2,4]", "head.draft_vocab_size=64")
+    assert "Medusa tree:" in out and re.search(r"^\s+medusa-tree\s+[\d.]+", out, re.M), out
+
+
+def test_bench_extract(source):
+    out = run_script("bench_extract.py", "--rows", "4", *source("eagle3"))
+    assert "== extraction benchmark: tiny-llama, head eagle3" in out
+    assert re.search(r"bare forward, same batches:\s+\d+ tok/s", out) and "bytes/token on disk" in out
+
+
+def test_bench_levers(source):
+    out = run_script("bench_levers.py", *source("eagle3"), "train.num_threads=1", "--minutes", "1",
+                     "--variant", "default:train.max_steps=2,train.warmup_steps=1")
+    assert "== training levers: eagle3" in out
+    assert re.search(r"^default\s+2\s+\d+\s+[\d.]+", out, re.M), out
+
+
+@pytest.mark.slow
+def test_bench_train_both_heads(source):
+    out = run_script("bench_train.py", *source("eagle3", "medusa"), "train.num_threads=1", "--steps", "2",
+                     "--ttt", "1", "--micro-batch-tokens", "512")
+    assert "== training benchmark: tiny-llama, 2 steps each ==" in out
+    assert re.search(r"^eagle3 TTT 1, 512 tok\s+\d+", out, re.M) and re.search(r"^medusa 3 heads, 512 tok\s+\d+", out, re.M)
+
+
+@pytest.mark.slow
+def test_make_bench_on_the_tiny_target(tmp_path):
+    """``make bench`` end to end (its data/extract stages first), tiny."""
+    args = " ".join([*(f"'{o}'" for o in SOURCE), f"output_root={tmp_path}", "train.num_threads=1",
+                     "eval.tree.total_tokens=4", "eval.max_new_tokens=8", "eval.limit=1"])
+    env = child_env(OMP_NUM_THREADS="1", TQDM_DISABLE="1")
+    proc = subprocess.run(["make", "bench", f"VENV={Path(sys.executable).parents[1]}", f"ARGS={args}"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    for figure in ("== extraction benchmark: tiny-llama", "== training benchmark: tiny-llama", "greedy, "):
+        assert figure in proc.stdout
+
+
+# --- weight decay: matrices only ------------------------------------------------------------------------
+
+def test_weight_decay_skips_norms_and_biases():
+    import torch
+
+    from heads import MedusaConfig, MedusaHead
+    from tests.test_heads import HEAD_CFG, tiny_eagle3
+    from train.loop import param_groups
+    from train.target import load_target
+
+    target = load_target(make_cfg(["model=tiny-llama"]))
+    head = tiny_eagle3(target, dv=64)
+    groups = param_groups(head, 0.01)
+    assert [g["weight_decay"] for g in groups] == [0.01, 0.0]
+    decayed, free = ({id(p) for p in g["params"]} for g in groups)
+    names = {id(p): n for n, p in head.named_parameters()}
+    trainable = {id(p) for p in head.parameters() if p.requires_grad}
+    assert decayed | free == trainable and not decayed & free
+    assert all(p.ndim >= 2 for g in groups[:1] for p in g["params"])
+    assert all(p.ndim == 1 for p in groups[1]["params"])
+    assert {"norm.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight"} <= {names[i] for i in free}
+    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "lm_head.weight"} <= {names[i] for i in decayed}
+    assert "embed_tokens.weight" not in {names[i] for i in decayed | free}   # frozen: the target's
+    optimizer = torch.optim.AdamW(groups, lr=1e-3)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0.0]
+    # Medusa: biases of its residual blocks are not decayed either.
+    V = target.config.vocab_size
+    medusa = MedusaHead(MedusaConfig.from_target(target.config, HEAD_CFG, 100))
+    medusa.set_vocab(torch.zeros(100, dtype=torch.long), torch.zeros(V, dtype=torch.bool))
+    mnames = {id(p): n for n, p in medusa.named_parameters()}
+    free = {mnames[id(p)] for p in param_groups(medusa, 0.1)[1]["params"]}
+    assert free and all(n.endswith(".bias") for n in free)
