@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
+# Materialised targets (the dequantised default, the tiny twins) go to a cache inside the checkout, not the
+# user's ~/.cache/specheads (set SPECHEADS_CACHE to share one).
+os.environ.setdefault("SPECHEADS_CACHE", str(ROOT / ".cache" / "specheads"))
 
 
 # Set in this process by in-process runs that make a one-process group (train.dist.init): a child
@@ -24,6 +28,21 @@ def child_env(**extra: str) -> dict[str, str]:
     """The environment for a subprocess of the pipeline: this one, offline, without launcher variables."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     return {**env, "HF_HUB_OFFLINE": "1", **extra}
+
+
+class LoggedRun(subprocess.Popen):
+    """A child process whose stdout and stderr go to the file ``log``, never to a pipe nobody drains (a
+    full pipe blocks the child); :meth:`output` waits for it and returns what it printed."""
+
+    def __init__(self, cmd: list[str], log: Path, **kwargs):
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as out:
+            super().__init__(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+    def output(self, timeout: float | None = None) -> str:
+        self.wait(timeout=timeout)
+        return self.log.read_text(errors="replace")
 
 
 def make_cfg(overrides: list[str], tmp: Path | None = None):

@@ -4,6 +4,7 @@ a user's own data file with the defaults gets a validation split."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from tests.conftest import ROOT, make_cfg
 from train.errors import ConfigError, MissingStageError, UserError
 
 ENV = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "OMP_NUM_THREADS": "1",
-       "WANDB_SILENT": "true"}
+       "WANDB_SILENT": "true", "SPECHEADS_CACHE": os.environ["SPECHEADS_CACHE"]}
 
 
 def cli(tmp_path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, child_env, make_cfg
+from tests.conftest import ROOT, LoggedRun, child_env, make_cfg
 from train.extract import Captures, ExtractError
 from train.stages import run_stages, stage_dir
 from train.target import load_target
@@ -42,10 +41,10 @@ def fresh_run(prepared: Path, tmp_path: Path, *overrides: str, stages: tuple[str
     return cfg
 
 
-def cli(cfg_overrides: list[str], tmp_path: Path, launcher: list[str] | None = None) -> subprocess.Popen:
+def cli(cfg_overrides: list[str], tmp_path: Path, launcher: list[str] | None = None) -> LoggedRun:
     cmd = [*(launcher or [sys.executable]), str(ROOT / "train/run.py"), "tracking=none", *BASE,
            f"output_root={tmp_path}", *cfg_overrides]
-    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return LoggedRun(cmd, tmp_path / f"cli-{time.time_ns()}.log", cwd=ROOT, env=ENV)
 
 
 def test_captures_equal_hf_hidden_states(prepared):
@@ -93,7 +92,7 @@ def test_zero3_extract_equals_plain_extract(prepared, tmp_path):
     """extract.zero_stage=3 (parameters partitioned by DeepSpeed, lm_head gathered) captures the same tensors."""
     cfg = fresh_run(prepared, tmp_path, stages=("data",))
     proc = cli(["stages=[extract]", "extract.zero_stage=3"], tmp_path)
-    output = proc.communicate(timeout=600)[0]
+    output = proc.output(600)
     assert proc.returncode == 0, output[-3000:]
     zero3 = Captures(stage_dir(cfg, "extract"))
     reference = Captures(stage_dir(make_cfg([*BASE, f"output_root={prepared.parents[1]}"]), "extract"))
@@ -201,7 +200,7 @@ def test_two_ranks_train_like_one(prepared, tmp_path):
     two = fresh_run(prepared, tmp_path / "two", "stages=[train]", "train.max_steps=4")
     deepspeed = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", "29671"]
     proc = cli(["stages=[train]", "train.max_steps=4", "train.grad_accum=1"], tmp_path / "two", deepspeed)
-    output, _ = proc.communicate(timeout=900)
+    output = proc.output(900)
     assert proc.returncode == 0, output[-3000:]
     assert "world 2 x accumulation 1" in output
     torch.testing.assert_close(load_file(str(stage_dir(one, "train") / "head/model.safetensors")),
@@ -217,7 +216,7 @@ def test_two_ranks_stop_together_on_a_time_budget(prepared, tmp_path):
     deepspeed = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", "29673"]
     proc = cli(["stages=[train]", "train.max_steps=100000", "train.max_minutes=0.1", "train.checkpoint_every=100000",
                 "train.micro_batch_tokens=256"], tmp_path, deepspeed)
-    output, _ = proc.communicate(timeout=600)
+    output = proc.output(600)
     assert proc.returncode == 0, output[-3000:]
     cfg = make_cfg([*BASE, f"output_root={tmp_path}"])
     summary = json.loads((stage_dir(cfg, "train") / "summary.json").read_text())
@@ -235,7 +234,7 @@ def test_rank0_only_stage_outlasts_the_collective_timeout(prepared, tmp_path):
     run_stages(cfg)
     deepspeed = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", "29674"]
     proc = cli(["stages=[train,eval]", "dist_timeout_minutes=0.1", *slow_eval], tmp_path, deepspeed)
-    output, _ = proc.communicate(timeout=900)
+    output = proc.output(900)
     assert proc.returncode == 0, output[-3000:]
     assert "[train] up to date" in output
     marker = json.loads((stage_dir(cfg, "eval") / "_complete.json").read_text())
@@ -247,7 +246,7 @@ def test_two_ranks_extract_like_one(prepared, tmp_path):
     cfg = fresh_run(prepared, tmp_path, stages=("data",))
     deepspeed = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", "29672"]
     proc = cli(["stages=[extract]", "extract.shard_mb=0.05"], tmp_path, deepspeed)
-    output, _ = proc.communicate(timeout=900)
+    output = proc.output(900)
     assert proc.returncode == 0, output[-3000:]
     two = Captures(stage_dir(cfg, "extract"))
     assert two.manifest["world_size"] == 2 and len(two.manifest["shards"]) > 2

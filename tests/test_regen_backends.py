@@ -22,7 +22,7 @@ import pytest
 from data.engines import OpenAIClient, RegenError, VLLMServer, regenerate_openai
 from data.regenerate import eos_ids, generate, read_cache, regenerate
 from data.template import prompt_ids
-from tests.conftest import ROOT, child_env, make_cfg
+from tests.conftest import ROOT, LoggedRun, child_env, make_cfg
 from train.target import load_target, load_tokenizer
 
 CONVS = [{"messages": [{"role": "user", "content": f"question {i}"}] + (
@@ -254,10 +254,10 @@ def vllm_env():
         pytest.skip(".venv-vllm is missing: `make vllm-env`")
 
 
-def regen_cli(cfg_overrides: list[str], root: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(ROOT / "train/run.py"), "tracking=none", "stages=[data]",
-                             f"output_root={root}", *cfg_overrides], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def regen_cli(cfg_overrides: list[str], root: Path) -> LoggedRun:
+    return LoggedRun([sys.executable, str(ROOT / "train/run.py"), "tracking=none", "stages=[data]",
+                      f"output_root={root}", *cfg_overrides], root / f"cli-{time.time_ns()}.log", cwd=ROOT, env=ENV,
+                     start_new_session=True)
 
 
 @pytest.mark.slow
@@ -275,13 +275,13 @@ def test_vllm_backend_regenerates_resumes_and_agrees_with_hf(vllm_env, tmp_path,
     deadline = time.time() + 420
     while time.time() < deadline and proc.poll() is None and len(read_cache(path)) < 2:
         time.sleep(0.2)
-    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    assert proc.poll() is None, proc.log.read_text()[-3000:]
     os.killpg(proc.pid, signal.SIGKILL)  # the client and the server it started (same session)
     proc.wait()
     kept = read_cache(path)
     assert 2 <= len(kept) < 6
     proc = regen_cli(overrides, tmp_path)
-    output = proc.communicate(timeout=300)[0]
+    output = proc.output(300)
     assert proc.returncode == 0, output[-3000:]
     assert f"{sum(r['complete'] for r in kept.values())} cached" in output
     got = read_cache(path)

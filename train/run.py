@@ -39,6 +39,7 @@ def main(cfg: DictConfig) -> None:
 def run(cfg: DictConfig) -> None:
     from train import dist
     from train.checks import validate
+    from train.log import log
     from train.stages import run_stages
     from train.target import resolve_device
     from train.tracking import finish
@@ -52,6 +53,7 @@ def run(cfg: DictConfig) -> None:
             print_plan(cfg)
         return
     dist.init(resolve_device(cfg.device), timeout_minutes=cfg.dist_timeout_minutes)
+    log(summary_line(cfg))
     try:
         run_stages(cfg)
     finally:
@@ -78,13 +80,28 @@ def exit_with(error: BaseException) -> None:
     sys.exit(1)
 
 
+def summary_line(cfg: DictConfig) -> str:
+    """One line with the effective budget: what a run of this config will do (``--cfg job`` shows all)."""
+    t, h = cfg.train, cfg.head
+    budget = f"{t.max_minutes} min" if t.max_minutes else "no time limit"
+    steps = f"max_steps {t.max_steps}" if t.max_steps else f"{t.epochs} epochs"
+    ttt = f", TTT {h.ttt_steps}" if h.type == "eagle3" else f", {h.num_heads} heads"
+    return (f"[run] {cfg.model.name} / {h.name}: stages {list(cfg.stages)}; train {budget}, {steps}, "
+            f"{t.micro_batch_tokens}-token micro-batches, lr {t.lr}{ttt}, draft vocabulary {h.draft_vocab_size}; "
+            f"eval {cfg.eval.limit or 'all'} prompts/dataset -> {cfg.run_dir}")
+
+
 def quiet_libraries() -> None:
-    """Our own progress bars stay; the libraries' per-file loading bars go."""
+    """Our own progress bars stay; of the libraries', only the loading of a target's weight shards (rank 0:
+    minutes for an 8B target) is shown."""
     import datasets
     import transformers
 
+    from train import dist
+
     datasets.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()
+    if not dist.is_main():
+        transformers.utils.logging.disable_progress_bar()
 
 
 if __name__ == "__main__":
