@@ -18,9 +18,10 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from train.errors import UserError
@@ -178,6 +179,26 @@ def read_source(source: dict, on_error: str, errors: Counter, synth=None) -> Ite
 
 def normalise(text: str) -> str:
     return re.sub(r"\W+", " ", text.lower()).strip()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file this project appends to as it works (regeneration and synth caches,
+    eval records), in order; a line torn by a crash is skipped. [] when the file does not exist."""
+    rows = []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def rewrite_jsonl(path: Path, rows: Iterable[dict]) -> None:
+    """Replace ``path`` by ``rows``, one JSON line each, atomically (compacting a file before appending)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def prompt_key(messages: list[dict]) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from data.formats import prompt_key
+from data.formats import prompt_key, read_jsonl, rewrite_jsonl
 from data.template import prompt_ids, with_system
 from train.log import log, progress
 
@@ -92,14 +92,9 @@ def cache_file(directory: str, target_fp: str, rcfg, system_prompt: str | None, 
 def read_cache(path: Path) -> dict[str, dict]:
     """Complete lines of the cache (a torn last line from a crash is ignored)."""
     done = {}
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            row.setdefault("complete", True)
-            done[row["key"]] = row
+    for row in read_jsonl(path):
+        row.setdefault("complete", True)
+        done[row["key"]] = row
     return done
 
 
@@ -113,9 +108,7 @@ def pending(convs: list[dict], system_prompt: str | None, path: Path) -> tuple[d
     path.parent.mkdir(parents=True, exist_ok=True)
     done = read_cache(path)
     if path.exists():  # compact, and drop a torn last line, before appending
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in done.values()), encoding="utf-8")
-        os.replace(tmp, path)
+        rewrite_jsonl(path, done.values())
     state = {}
     for c in convs:
         messages = with_system(c["messages"], system_prompt)

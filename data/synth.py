@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from filelock import FileLock
 
-from data.formats import DataError
+from data.formats import DataError, read_jsonl, rewrite_jsonl
 from data.regenerate import generate
 from data.template import user_turn_prefix
 from train.log import log
@@ -156,15 +156,10 @@ def cache_file(directory: str | Path, target_fp: str, s: dict) -> Path:
 def read_batches(path: Path) -> list[dict]:
     """The cached batches 0, 1, ... in order (stops at a torn line or a gap)."""
     batches = []
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            if row.get("batch") != len(batches):
-                break
-            batches.append(row)
+    for row in read_jsonl(path):
+        if row.get("batch") != len(batches):
+            break
+        batches.append(row)
     return batches
 
 
@@ -191,9 +186,7 @@ def synthesize(model, tokenizer, s: dict, path: Path, name: str = "synth") -> tu
     path.parent.mkdir(parents=True, exist_ok=True)
     batches = read_batches(path)
     if path.exists():  # drop a torn last line before appending
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(b) + "\n" for b in batches), encoding="utf-8")
-        os.replace(tmp, path)
+        rewrite_jsonl(path, batches)
     hints = s["hints"] or [{"category": "general", "hint": None}]
     prefixes, suffix = {}, ""
     for h in hints:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from data.formats import read_jsonl, rewrite_jsonl
 from data.template import prompt_ids, set_thinking, with_system
 from eval.decoder import Generation, SpecDecoder
 from eval.drafters import Drafter, Eagle3Drafter, build_drafter, medusa_choices
@@ -180,18 +181,13 @@ class Records:
         if meta.get("fingerprint") == fp and self.path.exists():
             self.tree = meta.get("tree")
             groups: dict[tuple, list[dict]] = {}
-            for line in self.path.read_text().splitlines():
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line torn by a crash
-                groups.setdefault(record_key(r)[:2] + record_key(r)[3:], []).append(r)
+            for r in read_jsonl(self.path):  # a line torn by a crash is skipped
+                dataset, prompt, _, temperature = record_key(r)
+                groups.setdefault((dataset, prompt, temperature), []).append(r)
             for group in groups.values():
                 if {r["method"] for r in group} == set(methods):
                     self.done.update((record_key(r), r) for r in group)
-        tmp = self.path.with_suffix(".tmp")  # only the complete prompts stay in the file
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.done.values()))
-        os.replace(tmp, self.path)
+        rewrite_jsonl(self.path, self.done.values())  # only the complete prompts stay in the file
         self.meta.write_text(json.dumps({"fingerprint": fp, "tree": self.tree}))
         self.fp = fp
 
