@@ -351,12 +351,6 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
 
 # --- a vLLM server for the target -------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _die_with_parent() -> None:
     """In the server's process (Linux): SIGTERM when the data stage's process dies, even by SIGKILL, so a
     killed run leaves no server behind (its own session keeps Ctrl-C of the terminal for our handler)."""
@@ -395,7 +389,7 @@ class VLLMServer:
         self.seed = int(cfg.data.regen.seed)
         self.log_file = Path(log_file)
         self.host = self.vcfg.host
-        self.port = int(self.vcfg.port or _free_port())
+        self.port = int(self.vcfg.port or dist.free_port())
         self.url = f"http://{self.host}:{self.port}/v1"
         self.proc: subprocess.Popen | None = None
 
@@ -422,9 +416,7 @@ class VLLMServer:
         return cmd + [str(a) for a in self.vcfg.args]
 
     def environment(self) -> dict:
-        # Not the launcher's rank variables (vLLM would take them for its own process group).
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        env = dist.env_without_launcher()  # vLLM would take the launcher's variables for its own process group
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         import torch
 

@@ -19,15 +19,12 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("SPECHEADS_CACHE", str(ROOT / ".cache" / "specheads"))
 
 
-# Set in this process by in-process runs that make a one-process group (train.dist.init): a child
-# inheriting them would try to join (or re-bind) this process's rendezvous port.
-LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
 def child_env(**extra: str) -> dict[str, str]:
-    """The environment for a subprocess of the pipeline: this one, offline, without launcher variables."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    return {**env, "HF_HUB_OFFLINE": "1", **extra}
+    """The environment for a subprocess of the pipeline: this one, offline, without the launcher variables
+    that in-process runs set here (train.dist.init makes a one-process group)."""
+    from train.dist import env_without_launcher
+
+    return {**env_without_launcher(), "HF_HUB_OFFLINE": "1", **extra}
 
 
 class LoggedRun(subprocess.Popen):

@@ -17,6 +17,9 @@ import torch.distributed as dist
 # Collectives wait this long (``dist_timeout_minutes``) before failing; rank-0-only stages do not hold
 # a collective open (the other ranks wait on the stage's marker file, see train.stages).
 DEFAULT_TIMEOUT_MIN = 60
+# What a launcher (deepspeed, torchrun) sets, and :func:`init` sets for one process: a child process that
+# inherits them would try to join this process group (or bind its rendezvous port).
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def world_size() -> int:
@@ -49,19 +52,28 @@ def init(device: torch.device, single: bool = False, timeout_minutes: float = DE
     if dist.is_initialized() or (world_size() == 1 and not single):
         return
     if world_size() == 1:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
-                           ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+                           ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
             os.environ.setdefault(key, value)
     import deepspeed
 
     device = bind_device(device)
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
                                timeout=timedelta(minutes=timeout_minutes))
+
+
+def free_port() -> int:
+    """A TCP port free on this machine right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_without_launcher(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's environment) without :data:`LAUNCHER_VARS`, for child processes."""
+    return {k: v for k, v in (os.environ if env is None else env).items() if k not in LAUNCHER_VARS}
 
 
 def barrier() -> None:
