@@ -15,6 +15,7 @@ import re
 
 from omegaconf import DictConfig, OmegaConf
 
+from data.engines import BACKENDS
 from eval.drafters import METHODS
 from train.errors import ConfigError
 from train.export import FORMATS
@@ -44,7 +45,7 @@ ENUMS = {
     "data.on_error": ("raise", "skip"),
     "data.exclude_eval": ("humaneval",),
     "data.sources[].type": ("builtin", "humaneval", "synth"),
-    "data.regen.backend": ("hf", "openai", "vllm"),
+    "data.regen.backend": BACKENDS,
     "data.thinking": (None, True, False),
     "data.sources[].format": ("auto", "sharegpt", "messages", "ultrachat", "turns", "humaneval", "prompts"),
     "data.sources[].split": ("train", "validation", None),

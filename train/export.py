@@ -284,7 +284,7 @@ def format_name(x: dict) -> str:
     return Path(str(x.get("folder", "?"))).name
 
 
-def model_card(fmt: str, path: Path | None, cfg: DictConfig, head, report: dict | None, train_summary: dict | None,
+def model_card(fmt: str, cfg: DictConfig, head, report: dict | None, train_summary: dict | None,
                vllm_check: dict | None = None) -> str:
     """The export's README.md: Hub metadata (base_model, library_name, tags, license, model-index with
     the measured acceptance and speedup) and a body whose commands name the target's Hub id and the
@@ -409,7 +409,7 @@ def run(cfg: DictConfig) -> dict:
         tmp.mkdir(parents=True)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        (tmp / "README.md").write_text(model_card(fmt, None, cfg, head, report, train_summary, vllm_check))
+        (tmp / "README.md").write_text(model_card(fmt, cfg, head, report, train_summary, vllm_check))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         written[fmt] = str(final)

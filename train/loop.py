@@ -31,7 +31,7 @@ from data.stage import load_dataset, row_lengths
 from heads.frozen import TargetWeights
 from heads.io import build_head, head_config, save_head
 from train import dist
-from train.errors import UserError
+from train.errors import ConfigError, UserError
 from train.extract import Captures, capture, capture_layers
 from train.log import log, progress
 from train.losses import StepStats, eagle3_loss, full_argmax, medusa_loss, target_view
@@ -255,7 +255,7 @@ def run(cfg: DictConfig) -> dict:
 
     tcfg = cfg.train
     if tcfg.zero_stage == 3:
-        raise ValueError("train.zero_stage=3 is not supported: the head would be saved from partitioned (empty) "
+        raise ConfigError("train.zero_stage=3 is not supported: the head would be saved from partitioned (empty) "
                          "parameters. A draft head fits one GPU; use train.zero_stage=1 or 2 to shard its optimizer state.")
     out = stage_dir(cfg, "train")
     require(cfg, "data")

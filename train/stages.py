@@ -100,16 +100,16 @@ def config_parts(cfg: DictConfig, name: str) -> dict:
     for key in DEPENDS[name]:
         value = OmegaConf.select(cfg, key)
         parts[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-    for key in IGNORED.get(name, []):
-        for dep in DEPENDS[name]:
-            if key == dep:
-                parts.pop(dep, None)
-            elif key.startswith(dep + ".") and isinstance(parts.get(dep), dict):
-                node, *path, leaf = [parts[dep], *key[len(dep) + 1:].split(".")]
-                for k in path:
-                    node = node.get(k) if isinstance(node, dict) else None
-                if isinstance(node, dict):
-                    node.pop(leaf, None)
+    for key in IGNORED.get(name, []):  # each lies under exactly one of the stage's DEPENDS keys
+        dep = next(d for d in DEPENDS[name] if key == d or key.startswith(d + "."))
+        if key == dep:
+            parts.pop(dep, None)
+            continue
+        *path, leaf = key[len(dep) + 1:].split(".")
+        node = parts[dep]
+        for k in path:
+            node = node.get(k) or {}
+        node.pop(leaf, None)
     return parts
 
 

@@ -118,8 +118,8 @@ def _build_tiny(mcfg: DictConfig, out: Path) -> None:
     import transformers
 
     arch = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[mcfg.arch]
-    extra = {k: OmegaConf.to_container(mcfg, resolve=True)[k] for k in ("head_dim", "rope_scaling")
-             if mcfg.get(k) is not None}
+    plain = OmegaConf.to_container(mcfg, resolve=True)
+    extra = {k: plain[k] for k in ("head_dim", "rope_scaling") if plain.get(k) is not None}
     config = getattr(transformers, arch)(
         vocab_size=vocab,
         hidden_size=mcfg.hidden_size,
@@ -264,12 +264,12 @@ def load_weights(cfg: DictConfig, dtype: torch.dtype = torch.float32,
 
     if wanted["lm_head"] not in where and getattr(config, "tie_word_embeddings", False):
         wanted["lm_head"] = wanted["embed"]  # tied: the checkpoint stores the embedding once
-    tensors = {}
-    for field_, name in wanted.items():
-        name = key(name)
-        with safe_open(cached_file(path, where[name], **kw), framework="pt") as f:
-            tensors[field_] = f.get_tensor(name).to(device, dtype)
-    return TargetWeights(config, **tensors)
+    read: dict[str, torch.Tensor] = {}  # by checkpoint name: tied embeddings are read once, shared as in the model
+    for name in map(key, wanted.values()):
+        if name not in read:
+            with safe_open(cached_file(path, where[name], **kw), framework="pt") as f:
+                read[name] = f.get_tensor(name).to(device, dtype)
+    return TargetWeights(config, **{field_: read[key(name)] for field_, name in wanted.items()})
 
 
 def tokenizer_fingerprint(tok) -> str:
