@@ -38,7 +38,7 @@ import torch
 from filelock import FileLock
 
 from data.formats import DataError, read_jsonl, rewrite_jsonl
-from data.regenerate import generate
+from data.regenerate import eos_ids, generate
 from data.template import user_turn_prefix
 from train.log import log
 
@@ -169,15 +169,12 @@ def _batch_generator(device, seed: int, batch: int) -> torch.Generator:
 
 
 def _eos_ids(model, tokenizer, suffix: str) -> set[int]:
-    """EOS ids plus the token that ends a user turn (the first special token after the user content)."""
-    eos = {tokenizer.eos_token_id}
-    gen = getattr(model, "generation_config", None)
-    ids = getattr(gen, "eos_token_id", None)
-    eos.update(ids if isinstance(ids, (list, tuple)) else [ids])
+    """EOS ids (as regeneration stops) plus the token that ends a user turn (the first special token after
+    the user content)."""
     special = set(tokenizer.all_special_ids) | {
         i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False)}
-    eos.update([i for i in tokenizer(suffix, add_special_tokens=False)["input_ids"] if i in special][:1])
-    return {i for i in eos if i is not None}
+    end_of_turn = [i for i in tokenizer(suffix, add_special_tokens=False)["input_ids"] if i in special][:1]
+    return eos_ids(tokenizer, getattr(model, "generation_config", None)) | set(end_of_turn)
 
 
 def synthesize(model, tokenizer, s: dict, path: Path, name: str = "synth") -> tuple[list[dict], dict]:

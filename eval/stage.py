@@ -24,6 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.formats import read_jsonl, rewrite_jsonl
+from data.regenerate import eos_ids
 from data.template import prompt_ids, set_thinking, with_system
 from eval.decoder import Generation, SpecDecoder
 from eval.drafters import Drafter, Eagle3Drafter, build_drafter, medusa_choices
@@ -37,10 +38,8 @@ from train.target import load_target, load_tokenizer
 
 
 def eos_token_ids(target, tokenizer) -> set[int]:
-    """The generation config's EOS id(s) and the tokenizer's."""
-    eos = target.generation_config.eos_token_id
-    ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    """The generation config's EOS id(s) and the tokenizer's (as regeneration stops)."""
+    return eos_ids(tokenizer, target.generation_config)
 
 
 def resolve_methods(methods, kind: str) -> list[str]:
