@@ -34,6 +34,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from data.captured import CaptureWriter, keeps_states
 from data.formats import DataError, prompt_key
 from data.regenerate import _answered, cache_line, eos_ids, pending, read_cache, regenerate
 from data.template import prompt_ids, with_system
@@ -65,7 +66,7 @@ def regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
         from train.target import load_target
 
         if not shares_work(cfg, "data"):  # one process (or rank 0 alone): exactly as before
-            stats = regenerate(convs, load_target(cfg), tokenizer, rcfg, system_prompt, path)
+            stats = regenerate(convs, load_target(cfg), tokenizer, rcfg, system_prompt, path, capture_writer(cfg))
         else:
             stats = regenerate_sharded(cfg, convs, tokenizer, path)
         return None if stats is None else {"backend": "hf", "world_size": dist.world_size(), **stats}
@@ -84,6 +85,19 @@ def regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
         client = OpenAIClient(server.url, SERVED_NAME, rcfg.timeout_s, rcfg.retries)
         stats = regenerate_openai(convs, tokenizer, rcfg, system_prompt, path, client, eos)
     return {"backend": "vllm", "server_log": str(log_file), **stats}
+
+
+def capture_writer(cfg: DictConfig) -> CaptureWriter | None:
+    """Where the ``hf`` backend keeps the hidden states of what it generates (``extract.source: regen``;
+    :mod:`data.captured`), None when the extract stage will not read them."""
+    if not keeps_states(cfg):
+        return None
+    from train.extract import capture_layers
+    from train.stages import stage_dir
+    from train.target import load_config, target_fingerprint
+
+    return CaptureWriter(stage_dir(cfg, "data") / "captured", capture_layers(cfg, load_config(cfg)),
+                         cfg.extract.dtype, target_fingerprint(cfg))
 
 
 def _generation_config(cfg: DictConfig):
@@ -140,7 +154,7 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
     try:
         if mine:
             log(f"[data] rank {rank}/{world}: regenerating its share of {len(mine)} conversations into {part}")
-            stats = regenerate(mine, load_target(cfg), tokenizer, rcfg, system_prompt, part)
+            stats = regenerate(mine, load_target(cfg), tokenizer, rcfg, system_prompt, part, capture_writer(cfg))
         else:
             stats = {"cached": 0, "generated": 0, "new_tokens": 0, "seconds": 0.0}
     except BaseException as e:

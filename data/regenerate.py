@@ -16,25 +16,20 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
+from data.captured import CaptureWriter
 from data.formats import prompt_key, read_jsonl, rewrite_jsonl
-from data.template import prompt_ids, with_system
+from data.template import conversation_ids, prompt_ids, with_system
+from eval.sampling import warp
 from train.log import log, progress
-
-
-def warp(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """Probabilities after temperature and nucleus (top-p) filtering (temperature > 0)."""
-    probs = torch.softmax(logits.float() / temperature, -1)
-    if top_p < 1.0:
-        sorted_p, idx = probs.sort(-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest prefix reaching top_p
-        probs = probs.scatter(-1, idx, sorted_p.masked_fill(drop, 0.0))
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+from train.losses import full_argmax
 
 
 def next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
@@ -43,42 +38,92 @@ def next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generato
     return torch.multinomial(warp(logits, temperature, top_p), 1, generator=generator).squeeze(-1)
 
 
+@dataclass
+class Answer:
+    tokens: list[int]                    # new ids, EOS excluded
+    hit_eos: bool
+    states: torch.Tensor | None = None   # with ``layers``: [prompt + tokens + tail, n_layers, H]
+
+
+Tail = Callable[[int, list[int]], "list[int] | None"]
+
+
 @torch.inference_mode()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int], pad_id: int,
-             temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None
-             ) -> list[tuple[list[int], bool]]:
-    """Batched generation from left-padded prompts; per prompt (new ids without EOS, hit_eos)."""
+             temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
+             layers: list[int] | None = None, tail: Tail | None = None) -> list[Answer]:
+    """Batched generation from left-padded prompts.
+
+    With ``layers`` (HF hidden_states indices) the states at those layers are kept from the generating
+    passes themselves: the prompt's from the prefill, each new token's from the step that feeds it. When a
+    row's answer ends (EOS, or ``max_new_tokens``: its last token is fed too), ``tail(row, tokens)`` gives
+    the tokens the chat template puts after the answer (end of turn, ...); they are fed one per step, so
+    ``states`` covers the whole rendered conversation. ``tail`` returning None drops the row's states.
+    Sampling draws only for rows still answering: the answers are the same with or without ``layers``.
+    """
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
-    out = model(ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+    out = model(ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1,
+                output_hidden_states=layers or None)
+    kept: list[list[torch.Tensor] | None] = [[] for _ in prompts] if layers else [None] * len(prompts)
+    _keep(kept, range(len(prompts)), out, layers, [len(p) for p in prompts])
     alive = torch.arange(len(prompts), device=device)
     answers: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
+    forced: dict[int, list[int]] = {}  # row -> template tokens still to feed after its answer
     positions = positions[:, -1:]
-    for step in range(max_new_tokens):
-        tokens = next_tokens(out.logits[:, -1], temperature, top_p, generator)
-        keep = []
-        for j, (row, tok) in enumerate(zip(alive.tolist(), tokens.tolist(), strict=True)):
-            if tok in eos_ids:
-                done[row] = True
-            else:
-                answers[row].append(tok)
-                keep.append(j)
-        if not keep or step == max_new_tokens - 1:
+    while True:
+        rows = alive.tolist()
+        answering = [j for j, row in enumerate(rows) if row not in forced]
+        sampled = iter(next_tokens(out.logits[answering, -1], temperature, top_p, generator).tolist()
+                       if answering else [])
+        feed: list[int | None] = []  # the token each alive row feeds next; None: the row leaves
+        for row in rows:
+            if row not in forced:
+                tok = next(sampled)
+                done[row] = tok in eos_ids
+                if not done[row]:
+                    answers[row].append(tok)
+                if not done[row] and len(answers[row]) < max_new_tokens:
+                    feed.append(tok)
+                    continue
+                if kept[row] is None:
+                    feed.append(None)
+                    continue
+                forced[row] = tail(row, answers[row]) if tail else []
+                if forced[row] is None:
+                    kept[row] = forced[row] = None
+                if not done[row]:  # max_new_tokens: the last token's state is needed too
+                    forced[row] = [tok, *(forced[row] or [])] if kept[row] is not None else []
+            feed.append(forced[row].pop(0) if forced[row] else None)
+        keep = [j for j, tok in enumerate(feed) if tok is not None]
+        if not keep:
             break
+        tokens = torch.tensor([feed[j] for j in keep], device=device)
         if len(keep) < len(alive):
             sel = torch.tensor(keep, device=device)
             cache.batch_select_indices(sel)
-            alive, tokens, mask, positions = alive[sel], tokens[sel], mask[sel], positions[sel]
+            alive, mask, positions = alive[sel], mask[sel], positions[sel]
         mask = torch.cat([mask, mask.new_ones(len(alive), 1)], -1)
         positions = positions + 1
         out = model(tokens[:, None], attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                    logits_to_keep=1)
-    return [(a, d) for a, d in zip(answers, done, strict=True)]
+                    logits_to_keep=1, output_hidden_states=layers or None)
+        _keep(kept, alive.tolist(), out, layers, [1] * len(alive))
+    return [Answer(a, d, None if k is None else torch.cat(k)) for a, d, k in zip(answers, done, kept, strict=True)]
+
+
+def _keep(kept: list, rows, out, layers: list[int] | None, last: list[int]) -> None:
+    """Append the last ``last[j]`` positions' states of batch row j to ``kept[rows[j]]`` (rows still kept)."""
+    if not layers:
+        return
+    states = torch.stack([out.hidden_states[i] for i in layers], 2)  # [B, T, n_layers, H]
+    for j, row in enumerate(rows):
+        if kept[row] is not None:
+            kept[row].append(states[j, states.shape[1] - last[j]:])
 
 
 def cache_file(directory: str, target_fp: str, rcfg, system_prompt: str | None, thinking: bool | None = None) -> Path:
@@ -135,21 +180,25 @@ def eos_ids(tokenizer, generation_config) -> set[int]:
     return {i for i in ids if i is not None}
 
 
-def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | None, path: Path) -> dict:
+def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | None, path: Path,
+               capture: CaptureWriter | None = None) -> dict:
     """Fill ``path`` with regenerated conversations for every conversation of ``convs``; returns stats.
 
     Works in rounds: round r answers the r-th user turn of every conversation that has one, in
     length-sorted batches. After each batch the touched conversations are appended to ``path`` (a
-    later line of the same key supersedes an earlier one; ``complete`` marks finished ones).
+    later line of the same key supersedes an earlier one; ``complete`` marks finished ones). With
+    ``capture`` (extract.source=regen), the hidden states of each conversation's last turn -- prompt,
+    answer and the template's end of turn -- are written there first (:mod:`data.captured`).
     """
     state, stats = pending(convs, system_prompt, path)
     if not state:
         return stats
     eos = eos_ids(tokenizer, model.generation_config)
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(rcfg.seed)
+    lm_head = model.get_output_embeddings().weight if capture else None
     total_turns = sum(len(r["users"]) - _answered(r) for r in state.values())
     log(f"[data] regenerating {len(state)} conversations ({total_turns} answers) with the target; "
-        f"{stats['cached']} cached in {path}")
+        f"{stats['cached']} cached in {path}" + (f"; keeping hidden states {capture.layers}" if capture else ""))
     bar = progress(total=total_turns, desc="regenerate", unit="answer")
     start = time.time()
     with open(path, "a", encoding="utf-8") as f:
@@ -160,15 +209,20 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
             for b in range(0, len(todo), rcfg.batch_size):
                 batch = todo[b: b + rcfg.batch_size]
                 prompts = [prompt_ids(tokenizer, r["messages"] + [r["users"][turn]]) for r in batch]
-                outs = generate(model, prompts, rcfg.max_new_tokens, eos, tokenizer.pad_token_id,
-                                rcfg.temperature, rcfg.top_p, generator)
-                for r, (ids, hit_eos) in zip(batch, outs, strict=True):
-                    r["messages"] += [r["users"][turn],
-                                      {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}]
-                    r["truncated"] |= not hit_eos
-                    r["new_tokens"] += len(ids)
+                fulls: dict[int, list[int]] = {}  # batch row -> the rendered conversation's ids (captured rows)
+                outs = generate(model, prompts, rcfg.max_new_tokens, eos, tokenizer.pad_token_id, rcfg.temperature,
+                                rcfg.top_p, generator, capture.layers if capture else None,
+                                partial(_template_tail, tokenizer, batch, turn, prompts, fulls))
+                if capture:
+                    got = [j for j, a in enumerate(outs) if a.states is not None]
+                    capture.write([batch[j]["key"] for j in got], [fulls[j] for j in got],
+                                  [outs[j].states for j in got], [full_argmax(outs[j].states[:, -1], lm_head) for j in got])
+                for r, a in zip(batch, outs, strict=True):
+                    r["messages"] += [r["users"][turn], _assistant(tokenizer, a.tokens)]
+                    r["truncated"] |= not a.hit_eos
+                    r["new_tokens"] += len(a.tokens)
                     r["complete"] = _answered(r) == len(r["users"])
-                    stats["new_tokens"] += len(ids)
+                    stats["new_tokens"] += len(a.tokens)
                     f.write(cache_line(r))
                 f.flush()
                 os.fsync(f.fileno())
@@ -177,8 +231,30 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
     bar.close()
     stats["seconds"] = round(time.time() - start, 1)
     stats["tokens_per_s"] = round(stats["new_tokens"] / max(stats["seconds"], 1e-9), 1)
+    if capture:
+        stats["captured"] = {"rows": capture.rows, "tokens": capture.tokens}
     log(f"[data] regenerated {stats['new_tokens']} tokens in {stats['seconds']} s ({stats['tokens_per_s']} tok/s)")
     return stats
+
+
+def _template_tail(tokenizer, batch: list[dict], turn: int, prompts: list[list[int]], fulls: dict[int, list[int]],
+                   j: int, answer: list[int]) -> list[int] | None:
+    """The tokens the chat template puts after ``answer`` of batch row ``j`` when it ends its conversation (its
+    rendered ids go to ``fulls[j]``); None when its states are not kept: not the last turn (the next turn's
+    prefill covers it), or the answer re-tokenises differently (the extract pass does that row)."""
+    r = batch[j]
+    if turn != len(r["users"]) - 1:
+        return None
+    full = conversation_ids(tokenizer, [*r["messages"], r["users"][turn], _assistant(tokenizer, answer)])
+    head = prompts[j] + answer
+    if full[: len(head)] != head:
+        return None
+    fulls[j] = full
+    return full[len(head):]
+
+
+def _assistant(tokenizer, answer: list[int]) -> dict:
+    return {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}
 
 
 def _answered(row: dict) -> int:

@@ -2,7 +2,9 @@
 
 Writes into ``<run_dir>/data/`` (format documented in the README, "Files between stages"):
 - ``dataset/``: a ``datasets.DatasetDict`` (train, validation) with columns id, source, category,
-  input_ids (int32), loss_mask (int8: 1 on assistant tokens), length;
+  key (the prompts' key, :func:`data.formats.prompt_key`), input_ids (int32), loss_mask (int8: 1 on
+  assistant tokens), length;
+- ``captured/``: with ``extract.source: regen``, hidden states kept while regenerating (:mod:`data.captured`);
 - ``vocab.safetensors``: d2t (int64), t2d (bool), masked_counts, all_counts (int64, train split);
 - ``stats.json``: rows read/kept/dropped per reason, tokens, masked tokens, coverage, regeneration;
 - ``manifest.json``: target and tokenizer fingerprints, sizes.
@@ -133,7 +135,8 @@ def run(cfg: DictConfig) -> dict:
             counts["dropped_no_assistant_tokens"] += 1
             continue
         rows[conv["split"]].append({"id": conv["id"], "source": conv["source"], "category": conv["category"],
-                                    "input_ids": ids, "loss_mask": mask, "length": len(ids)})
+                                    "key": prompt_key(conv["messages"]), "input_ids": ids, "loss_mask": mask,
+                                    "length": len(ids)})
     if not rows["train"]:
         raise DataError(
             f"the dataset is empty after filtering ({dict(counts)}). Prompt-only sources need "
@@ -156,7 +159,7 @@ def run(cfg: DictConfig) -> dict:
 
     tmp = out / "dataset.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    _to_datasets(rows).save_to_disk(str(tmp))
+    save_dataset(rows, tmp)
     shutil.rmtree(out / "dataset", ignore_errors=True)
     tmp.rename(out / "dataset")
     save_file({"d2t": d2t, "t2d": t2d, "masked_counts": tally["train"][0], "all_counts": tally["train"][1]},
@@ -203,11 +206,18 @@ def model_vocab_size(cfg: DictConfig, tokenizer) -> int:
     return size
 
 
+def save_dataset(rows: dict[str, list[dict]], path: Path) -> None:
+    """Write the splits as a ``datasets.DatasetDict``; an empty split gets one (empty) file, without which
+    ``datasets`` cannot load it back."""
+    _to_datasets(rows).save_to_disk(str(path), num_shards={s: None if rows[s] else 1 for s in SPLITS})
+
+
 def _to_datasets(rows: dict[str, list[dict]]):
     import datasets
 
     features = datasets.Features({
         "id": datasets.Value("string"), "source": datasets.Value("string"), "category": datasets.Value("string"),
+        "key": datasets.Value("string"),
         "input_ids": datasets.Sequence(datasets.Value("int32")), "loss_mask": datasets.Sequence(datasets.Value("int8")),
         "length": datasets.Value("int32"),
     })

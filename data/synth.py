@@ -207,8 +207,8 @@ def synthesize(model, tokenizer, s: dict, path: Path, name: str = "synth") -> tu
                 gens = generate(model, [prefixes[h["hint"]] for h in cats], s["max_new_tokens"], eos, pad,
                                 s["temperature"], s["top_p"],
                                 _batch_generator(next(model.parameters()).device, s["seed"], b))
-                outs = [{"text": tokenizer.decode(ids, skip_special_tokens=True).strip(), "category": h["category"],
-                         "tokens": len(ids), "hit_eos": bool(hit)} for h, (ids, hit) in zip(cats, gens, strict=True)]
+                outs = [{"text": tokenizer.decode(g.tokens, skip_special_tokens=True).strip(), "category": h["category"],
+                         "tokens": len(g.tokens), "hit_eos": g.hit_eos} for h, g in zip(cats, gens, strict=True)]
                 f.write(json.dumps({"batch": b, "outputs": outs}) + "\n")
                 f.flush()
                 os.fsync(f.fileno())

@@ -66,6 +66,11 @@ def prompt_ids(tokenizer, messages: list[dict], thinking: bool | None = None) ->
     return tokenizer(render(tokenizer, messages, True, thinking), add_special_tokens=False)["input_ids"]
 
 
+def conversation_ids(tokenizer, messages: list[dict], thinking: bool | None = None) -> list[int]:
+    """Token ids of the whole rendered conversation (the input_ids of :func:`tokenize_conversation`)."""
+    return tokenizer(render(tokenizer, messages, thinking=thinking), add_special_tokens=False)["input_ids"]
+
+
 def user_turn_prefix(tokenizer, system: str | None = None, thinking: bool | None = None) -> tuple[str, str]:
     """(text up to where a user turn's content starts, text right after its content) -- the template
     rendered with a sentinel user message and cut around it. ``system`` replaces the system turn

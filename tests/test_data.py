@@ -165,12 +165,12 @@ def test_batched_generation_matches_hf_generate(tiny_qwen2_cfg):
     model, tok = load_target(tiny_qwen2_cfg), load_tokenizer(tiny_qwen2_cfg)
     prompts = [tok(t)["input_ids"] for t in ["a", "hello there", "x y z w"]]
     outs = generate(model, prompts, 10, {tok.eos_token_id}, tok.pad_token_id)
-    for p, (ids, _) in zip(prompts, outs, strict=True):
+    for p, out in zip(prompts, outs, strict=True):
         ref = model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
         ref = ref[0, len(p):].tolist()
         if tok.eos_token_id in ref:
             ref = ref[: ref.index(tok.eos_token_id)]
-        assert ids == ref
+        assert out.tokens == ref
 
 
 def test_data_stage_end_to_end(cfg_factory, tmp_path):

@@ -8,10 +8,11 @@ import os
 import subprocess
 import sys
 
+import datasets
 import pytest
 
 from data.formats import DataError
-from data.stage import SPLITS, _to_datasets, assign_splits
+from data.stage import SPLITS, assign_splits, save_dataset
 from tests.conftest import ROOT, make_cfg
 from train.errors import ConfigError, MissingStageError, UserError
 
@@ -113,9 +114,9 @@ def test_bad_split_value_is_a_data_error():
 
 
 def test_an_empty_split_is_built_not_refused(tmp_path):
-    row = {"id": "a", "source": "s", "category": "c", "input_ids": [1, 2], "loss_mask": [0, 1], "length": 2}
-    ds = _to_datasets({"train": [row], "validation": []})
-    ds.save_to_disk(str(tmp_path / "ds"))
+    row = {"id": "a", "source": "s", "category": "c", "key": "k", "input_ids": [1, 2], "loss_mask": [0, 1], "length": 2}
+    save_dataset({"train": [row], "validation": []}, tmp_path / "ds")
+    ds = datasets.load_from_disk(str(tmp_path / "ds")).with_format("numpy")  # as train and extract read it
     assert len(ds["train"]) == 1 and len(ds["validation"]) == 0
     assert ds["validation"].features == ds["train"].features and set(ds) == set(SPLITS)
 

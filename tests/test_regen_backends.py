@@ -62,8 +62,9 @@ class Stub:
                     n = len(stub.requests)
                     if stub.fail_after is not None and n > stub.fail_after:
                         return self.reply(500, "boom: the engine died")
-                    new, hit_eos = generate(stub.model, [body["prompt"]], body["max_tokens"], set(body["stop_token_ids"]),
-                                            stub.pad_id)[0]
+                    out = generate(stub.model, [body["prompt"]], body["max_tokens"], set(body["stop_token_ids"]),
+                                   stub.pad_id)[0]
+                    new, hit_eos = out.tokens, out.hit_eos
                 time.sleep(stub.delay_s)
                 ids = new + ([min(stub.eos)] if hit_eos else [])
                 self.reply(200, {"choices": [{"text": "(ignored: token_ids given)", "token_ids": ids,

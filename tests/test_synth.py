@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import data.synth as synth
+from data.regenerate import Answer
 from data.template import prompt_ids, render, set_thinking, tokenize_conversation, user_turn_prefix
 from train.stages import run_stages
 from train.target import _build_tiny_tokenizer, load_target, load_tokenizer
@@ -138,7 +139,7 @@ def fake_generate(monkeypatch):
     def fake(model, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p, generator):
         calls.append(prompts)
         picks = torch.randint(len(POOL), (len(prompts),), generator=generator).tolist()
-        return [(tok(POOL[i], add_special_tokens=False)["input_ids"], True) for i in picks]
+        return [Answer(tok(POOL[i], add_special_tokens=False)["input_ids"], True) for i in picks]
 
     monkeypatch.setattr(synth, "generate", fake)
     return calls

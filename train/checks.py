@@ -50,6 +50,7 @@ ENUMS = {
     "data.sources[].format": ("auto", "sharegpt", "messages", "ultrachat", "turns", "humaneval", "prompts"),
     "data.sources[].split": ("train", "validation", None),
     "extract.dtype": DTYPES,
+    "extract.source": ("auto", "pass", "regen"),
     "extract.zero_stage": (0, 1, 2, 3),
     "train.positions": ("all", "assistant"),
     "train.grad_accum_dtype": ("fp32", "bf16", "fp16"),
@@ -152,6 +153,11 @@ def problems(cfg: DictConfig) -> list[str]:
         given = [k for k in ("type", "path", "hf") if source.get(k) is not None]
         if len(given) != 1:
             out.append(f"data.sources[{i}] needs exactly one of type (builtin|humaneval|synth), path or hf, got {given}")
+    if (OmegaConf.select(cfg, "extract.source") == "regen" and OmegaConf.select(cfg, "data.regen.backend") != "hf"
+            and OmegaConf.select(cfg, "data.regenerate")):
+        out.append(f"extract.source=regen keeps the hidden states of the hf backend's own passes; "
+                   f"data.regen.backend={cfg.data.regen.backend} servers do not return them: use extract.source=auto "
+                   "or pass (a separate extraction pass), or data.regen.backend=hf")
     return out
 
 

@@ -33,6 +33,7 @@ from omegaconf import DictConfig
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from data.captured import CapturedStates, keeps_states
 from data.stage import load_dataset, row_lengths
 from heads.io import head_config
 from train import dist
@@ -178,6 +179,7 @@ def run(cfg: DictConfig) -> dict:
     shards = plan_shards(lengths, bytes_per_token, cfg.extract.shard_mb)
     fp = fingerprint(cfg, "extract")
     todo = [s for s in shards if not _complete(out / s["file"], fp)]
+    captured, covered = kept_states(cfg, ds, layers, data_manifest["target_fingerprint"])
     check_disk(out, sum(s["tokens"] for s in todo) * (bytes_per_token + 4), cfg.extract.disk_margin)
 
     world, rank = dist.world_size(), dist.rank()
@@ -185,16 +187,17 @@ def run(cfg: DictConfig) -> dict:
     model = _load_model(cfg, device)
     lm_head = _full_weight(model.get_output_embeddings().weight, cfg.extract.zero_stage)
     # ZeRO-3 gathers parameters collectively: every rank must run the same number of forward passes.
-    plans = [[b for s in shards[r::world] if s in todo for b in batches(s["rows"], lengths[s["split"]],
-                                                                      cfg.extract.batch_tokens)]
-             for r in range(world)]
+    plans = [[b for s in shards[r::world] if s in todo for b in batches(
+        [row for row in s["rows"] if row not in covered[s["split"]]], lengths[s["split"]], cfg.extract.batch_tokens)]
+        for r in range(world)]
     n_passes = max(len(p) for p in plans) if cfg.extract.zero_stage == 3 else len(plans[rank])
     bar = progress(total=sum(s["tokens"] for s in mine), desc="extract", unit="tok", unit_scale=True)
     start, done_passes, forward_s = time.time(), 0, 0.0
     for shard in mine:
         split = shard["split"]
-        pieces = {}
-        for batch in batches(shard["rows"], lengths[split], cfg.extract.batch_tokens):
+        pieces = {r: captured.get(ds[split][r]["key"], lengths[split][r]) for r in shard["rows"] if r in covered[split]}
+        bar.update(sum(lengths[split][r] for r in pieces))
+        for batch in batches([r for r in shard["rows"] if r not in pieces], lengths[split], cfg.extract.batch_tokens):
             width = max(lengths[split][r] for r in batch)
             ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)
             mask = torch.zeros(len(batch), width, dtype=torch.long)
@@ -238,14 +241,36 @@ def run(cfg: DictConfig) -> dict:
         "rows": {s: len(lengths[s]) for s in SPLITS}, "tokens": tokens, "bytes": total_bytes,
         "bytes_per_token": round(total_bytes / max(tokens, 1), 1), "world_size": world,
     }
+    if captured is not None:
+        manifest["from_regeneration"] = {"rows": sum(map(len, covered.values())),
+                                         "tokens": sum(lengths[s][r] for s in SPLITS for r in covered[s])}
     if dist.is_main():
         (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        if captured is not None:  # now copied into the shards
+            shutil.rmtree(captured.dir, ignore_errors=True)
     rate = sum(s["tokens"] for s in mine) / max(elapsed, 1e-9)
     log(f"[extract] {tokens} tokens, {total_bytes / 2**20:.1f} MiB, {manifest['bytes_per_token']} bytes/token; "
         f"rank 0: {rate:.0f} tok/s ({forward_s / max(elapsed, 1e-9):.0%} of the time in forward), "
         f"peak RSS {peak_rss / 2**30:.2f} GiB")
     return {"tokens": tokens, "bytes": total_bytes, "bytes_per_token": manifest["bytes_per_token"],
             "tokens_per_s_rank0": round(rate, 1), "peak_rss_gib": round(peak_rss / 2**30, 2)}
+
+
+def kept_states(cfg: DictConfig, ds, layers: list[int], target: str) -> tuple[CapturedStates | None, dict[str, set[int]]]:
+    """With ``extract.source: regen`` (or ``auto`` and the hf backend): the states kept while regenerating, and per split the rows they cover
+    (the others go through the forward pass). Every rank computes the same sets."""
+    covered: dict[str, set[int]] = {s: set() for s in SPLITS}
+    if not keeps_states(cfg):
+        return None, covered
+    captured = CapturedStates(stage_dir(cfg, "data") / "captured", layers, cfg.extract.dtype, target)
+    for split in SPLITS:
+        for r, key in enumerate(ds[split]["key"]):
+            if key in captured.index and captured.covers(key, ds[split][r]["input_ids"]):
+                covered[split].add(r)
+    n = sum(map(len, covered.values()))
+    log(f"[extract] {n} of {sum(len(ds[s]) for s in SPLITS)} rows have states kept while regenerating "
+        f"({len(captured)} captured); the others go through the forward pass")
+    return captured, covered
 
 
 class Captures:

@@ -1,0 +1,104 @@
+"""Hidden states kept while regenerating (``extract.source: regen``), for the extract stage to use.
+
+With the ``hf`` backend the target's generating passes already compute every hidden state the head needs:
+the prompt's in the prefill, each new token's in the step that feeds it, and the tokens the chat template
+puts after an answer (end of turn) are fed as one more step or two (:func:`data.regenerate.generate`).
+The data stage keeps them, for the LAST turn of each conversation (its prefill covers every earlier turn),
+in ``<run_dir>/data/captured/``, one file per generated batch (and rank):
+
+- ``part-<time>-<pid>.safetensors``: ``hidden`` [tokens, n_layers, H] (extract.dtype), ``argmax`` [tokens]
+  (int32, the target's full-vocabulary next-token argmax), ``ids`` [tokens] (int32, the token ids the states
+  belong to), ``offsets`` [rows + 1]; metadata ``keys`` (JSON list of prompt keys, one per row),
+  ``layers``, ``dtype``, ``target`` (fingerprint). Written under a temporary name and renamed.
+
+The extract stage takes a row's states from here when the row's ``input_ids`` are a prefix of the captured
+``ids`` (same layers, dtype and target), runs its forward pass for the other rows, and deletes the directory
+once its shards are written (:mod:`train.extract`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+def keeps_states(cfg) -> bool:
+    """``extract.source`` resolved: whether the data stage keeps the states it generates for extract
+    (``regen``; ``auto``: when the ``hf`` backend regenerates; never for ``train.online``, which has no extract)."""
+    source = cfg.extract.get("source", "pass")
+    if cfg.train.online or source == "pass":
+        return False
+    return source == "regen" or (bool(cfg.data.regenerate) and cfg.data.regen.get("backend", "hf") == "hf")
+
+
+class CaptureWriter:
+    """Appends captured conversations to ``directory`` (see the module docstring)."""
+
+    def __init__(self, directory: Path, layers: list[int], dtype: str, target: str):
+        self.dir = Path(directory)
+        self.meta = {"layers": json.dumps(layers), "dtype": dtype, "target": target}
+        self.layers, self.dtype = layers, getattr(torch, dtype)
+        self.rows = self.tokens = 0
+
+    def write(self, keys: list[str], ids: list[list[int]], hidden: list[torch.Tensor], argmax: list[torch.Tensor]) -> None:
+        """One file with the rows ``keys``: token ids, states [len(ids), n_layers, H] and argmax per row."""
+        if not keys:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        name = f"part-{time.time_ns()}-{os.getpid()}.safetensors"
+        tmp = self.dir / f".{name}.tmp"
+        lengths = [len(i) for i in ids]
+        save_file({"hidden": torch.cat([h.to("cpu", self.dtype) for h in hidden]).contiguous(),
+                   "argmax": torch.cat([a.to("cpu", torch.int32) for a in argmax]).contiguous(),
+                   "ids": torch.tensor([t for i in ids for t in i], dtype=torch.int32),
+                   "offsets": torch.tensor([0, *lengths]).cumsum(0)},
+                  str(tmp), metadata={**self.meta, "keys": json.dumps(keys)})
+        os.replace(tmp, self.dir / name)
+        self.rows += len(keys)
+        self.tokens += sum(lengths)
+
+
+class CapturedStates:
+    """Read access: the states of a conversation by prompt key, for rows whose tokens they cover."""
+
+    def __init__(self, directory: Path, layers: list[int], dtype: str, target: str):
+        self.dir = Path(directory)
+        self.index: dict[str, tuple[str, int, int]] = {}  # key -> (file, start, end); a later file wins
+        self._ids: dict[str, np.ndarray] = {}
+        self._open: dict[str, object] = {}
+        files = sorted(self.dir.glob("part-*.safetensors"), key=lambda p: p.name) if self.dir.is_dir() else []
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                if (json.loads(meta.get("layers", "null")), meta.get("dtype"), meta.get("target")) != (layers, dtype, target):
+                    continue  # captured for another head, dtype or target
+                self._ids[path.name] = f.get_tensor("ids").numpy()
+                offsets = f.get_tensor("offsets").tolist()
+            for j, key in enumerate(json.loads(meta["keys"])):
+                self.index[key] = (path.name, offsets[j], offsets[j + 1])
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def covers(self, key: str, input_ids) -> bool:
+        """Whether the captured tokens of ``key`` start with ``input_ids`` (the data stage's row)."""
+        if key not in self.index:
+            return False
+        file, a, b = self.index[key]
+        n = len(input_ids)
+        return n <= b - a and np.array_equal(self._ids[file][a: a + n], np.asarray(input_ids, dtype=np.int32))
+
+    def get(self, key: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [length, n_layers, H], argmax [length] int32) of the first ``length`` captured tokens."""
+        file, a, _ = self.index[key]
+        if file not in self._open:
+            self._open[file] = safe_open(str(self.dir / file), framework="pt")
+        f = self._open[file]
+        return f.get_slice("hidden")[a: a + length], f.get_slice("argmax")[a: a + length]

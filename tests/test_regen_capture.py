@@ -1,0 +1,143 @@
+"""Hidden states kept while regenerating (``extract.source: regen``) equal a separate extraction pass."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from data.captured import CapturedStates
+from data.regenerate import generate
+from tests.conftest import make_cfg
+from train.extract import capture, capture_layers
+from train.losses import full_argmax
+from train.stages import run_stages, stage_dir
+from train.target import load_config, load_target, load_tokenizer
+
+LAYERS = [1, 4, 6, 8]  # tiny twins have 8 layers: three taps and the final (post-norm) state
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("twin", ["tiny-qwen2", "tiny-llama"])
+def test_generation_keeps_the_states_of_a_forward_pass(twin, temperature):
+    """Prefill + one state per fed token + the forced tail == one forward pass over the whole sequence (fp32),
+    and keeping the states changes no answer (sampling draws only for rows still answering)."""
+    cfg = make_cfg([f"model={twin}"])
+    model, tok = load_target(cfg), load_tokenizer(cfg)
+    prompts = [tok(t)["input_ids"] for t in ["a b", "hello there, how are you", "x"]]
+    eos = {tok.eos_token_id}
+    tails = {0: [tok.eos_token_id, 7], 1: [], 2: None}  # row 2: its states are dropped
+
+    def run(layers):
+        gen = torch.Generator().manual_seed(3)
+        return generate(model, prompts, 12, eos, tok.pad_token_id, temperature, 0.9, gen, layers,
+                        lambda j, answer: None if tails[j] is None else list(tails[j]))
+
+    plain, kept = run(None), run(LAYERS)
+    assert [(a.tokens, a.hit_eos) for a in plain] == [(a.tokens, a.hit_eos) for a in kept]
+    assert all(a.states is None for a in plain) and kept[2].states is None
+    for j in (0, 1):
+        ids = prompts[j] + kept[j].tokens + tails[j]
+        assert kept[j].states.shape == (len(ids), len(LAYERS), model.config.hidden_size)
+        ref = capture(model, torch.tensor([ids]), LAYERS)[0]
+        torch.testing.assert_close(kept[j].states, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def text_twin(tmp_path_factory) -> list[str]:
+    """Overrides for tiny-qwen2 whose lm_head rows are zero except for printable ASCII characters and EOS: its
+    greedy answers are text that re-tokenises to the same ids (a random byte-level twin writes invalid UTF-8,
+    which never round-trips, so every row would go through the pass)."""
+    import shutil
+
+    from train.target import target_path
+
+    cfg = make_cfg(["model=tiny-qwen2"])
+    out = tmp_path_factory.mktemp("text-twin")
+    shutil.copytree(target_path(cfg), out, dirs_exist_ok=True)
+    model, tok = load_target(cfg), load_tokenizer(cfg)
+    ok = [i for i in range(len(tok)) if len(t := tok.decode([i])) == 1 and t.isascii() and t.isprintable() and t != " "]
+    keep = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+    keep[ok + [tok.eos_token_id]] = True
+    with torch.no_grad():
+        model.get_output_embeddings().weight[~keep] = 0.0  # logit 0 < the max of ~90 random logits
+    model.save_pretrained(out)
+    return ["model=tiny-qwen2", "model.source=hf", f"model.path={out}", "model.name=text-qwen2"]
+
+
+def _run(tmp_path, twin: list[str], source: str, *extra: str):
+    cfg = make_cfg([*twin, "data.sources=[{type:builtin,limit:16}]", "data.regen.max_new_tokens=12",
+                    "data.regen.batch_size=5", "head.draft_vocab_size=96", f"extract.source={source}",
+                    "extract.shard_mb=0.05", "stages=[data,extract]", f"output_root={tmp_path / source}", *extra])
+    run_stages(cfg)
+    return cfg
+
+
+def _shards(cfg) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
+    """(split, row) -> (hidden, argmax) over every shard of the extract stage."""
+    out = {}
+    for shard in json.loads((stage_dir(cfg, "extract") / "manifest.json").read_text())["shards"]:
+        t = load_file(str(stage_dir(cfg, "extract") / shard["file"]))
+        for j, r in enumerate(t["row_index"].tolist()):
+            a, b = t["offsets"][j], t["offsets"][j + 1]
+            out[shard["split"], r] = (t["hidden"][a:b], t["argmax"][a:b])
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_extract_from_regeneration_equals_a_separate_pass(tmp_path, text_twin, dtype, tol):
+    """Data + extract with the states kept while regenerating write the same shards as regeneration followed
+    by an extraction pass: within fp32 rounding in float32, within bf16 rounding in bfloat16."""
+    kept = _run(tmp_path, text_twin, "regen", f"extract.dtype={dtype}")
+    passed = _run(tmp_path, text_twin, "pass", f"extract.dtype={dtype}")
+    manifest = json.loads((stage_dir(kept, "extract") / "manifest.json").read_text())
+    rows = sum(manifest["rows"].values())
+    assert manifest["from_regeneration"]["rows"] == rows
+    assert not (stage_dir(kept, "data") / "captured").exists()  # consumed
+    a, b = _shards(kept), _shards(passed)
+    assert a.keys() == b.keys() and len(a) == rows
+    for key in a:
+        torch.testing.assert_close(a[key][0].float(), b[key][0].float(), rtol=tol, atol=tol)
+        # argmax from states that differ in the last bits may flip only at near-ties
+        assert (a[key][1] == b[key][1]).float().mean() >= (1.0 if dtype == "float32" else 0.95)
+
+
+def test_kept_states_cover_multi_turn_and_truncated_answers(tmp_path, text_twin):
+    """Two user turns, and answers cut at max_new_tokens: the last turn's prefill covers the first turn, the
+    last token of a cut answer and the template's end of turn are fed, so the states cover the whole row."""
+    conv = {"turns": ["Say one word.", "And another one?"]}
+    path = tmp_path / "two_turns.jsonl"
+    path.write_text(json.dumps(conv) + "\n" + json.dumps({"turns": ["Count to three."]}) + "\n")
+    cfg = make_cfg([*text_twin, f"data.sources=[{{path:{path},split:train}}]", "data.regen.max_new_tokens=4",
+                    "head.draft_vocab_size=96", "extract.source=regen", "extract.dtype=float32", "stages=[data]",
+                    f"output_root={tmp_path}"])
+    run_stages(cfg)
+    tok, model = load_tokenizer(cfg), load_target(cfg)
+    layers = capture_layers(cfg, load_config(cfg))
+    from data.stage import load_dataset
+
+    ds = load_dataset(cfg)["train"]
+    captured = CapturedStates(stage_dir(cfg, "data") / "captured", layers, "float32",
+                              json.loads((stage_dir(cfg, "data") / "manifest.json").read_text())["target_fingerprint"])
+    checked = 0
+    for row in ds:
+        if not captured.covers(row["key"], row["input_ids"]):
+            continue
+        hidden, argmax = captured.get(row["key"], int(row["length"]))
+        ref = capture(model, torch.tensor([row["input_ids"].tolist()]), layers)[0]
+        torch.testing.assert_close(hidden, ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(argmax.long(), full_argmax(ref[:, -1], model.get_output_embeddings().weight))
+        checked += 1
+    stats = json.loads((stage_dir(cfg, "data") / "stats.json").read_text())
+    assert stats["regeneration"]["captured"]["rows"] == len(captured) >= checked
+    assert checked == len(ds) == 2 and sum("And another one?" in tok.decode(r["input_ids"]) for r in ds) == 1
+
+
+def test_regen_source_needs_the_hf_backend():
+    from train.checks import problems
+
+    found = problems(make_cfg(["extract.source=regen", "data.regen.backend=vllm"]))
+    assert any("extract.source=regen" in p and "extract.source=auto" in p for p in found)
+    assert not any("extract.source" in p for p in problems(make_cfg(["extract.source=auto", "data.regen.backend=vllm"])))
