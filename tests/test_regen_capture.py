@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,3 +142,33 @@ def test_regen_source_needs_the_hf_backend():
     found = problems(make_cfg(["extract.source=regen", "data.regen.backend=vllm"]))
     assert any("extract.source=regen" in p and "extract.source=auto" in p for p in found)
     assert not any("extract.source" in p for p in problems(make_cfg(["extract.source=auto", "data.regen.backend=vllm"])))
+
+
+@pytest.mark.slow
+def test_two_ranks_keep_states_like_one_process_passes(tmp_path, text_twin):
+    """deepspeed --num_gpus 2: each rank keeps the states of its share of the regeneration, extract (both ranks)
+    copies them into the shards: the same shards as one process that regenerates and then runs the pass."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, child_env
+
+    args = [*text_twin, "tracking=none", "stages=[data,extract]", "data.sources=[{type:builtin,limit:16}]",
+            "data.regen.max_new_tokens=12", "head.draft_vocab_size=96", "extract.dtype=float32", "extract.shard_mb=0.05"]
+    deepspeed = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", "29691"]
+    runs = {"regen": (deepspeed, tmp_path / "two"), "pass": ([sys.executable], tmp_path / "one")}
+    for source, (launcher, root) in runs.items():
+        proc = subprocess.run([*launcher, str(ROOT / "train/run.py"), *args, f"extract.source={source}",
+                               f"output_root={root}"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                              env=child_env(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE"))
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    two, one = (make_cfg([*args, f"extract.source={s}", f"output_root={root}"]) for s, (_, root) in runs.items())
+    manifest = json.loads((stage_dir(two, "extract") / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["from_regeneration"]["rows"] == sum(manifest["rows"].values())
+    regen = json.loads((stage_dir(two, "data") / "stats.json").read_text())["regeneration"]
+    assert [s["captured"]["rows"] > 0 for s in regen["per_rank"]] == [True, True]
+    a, b = _shards(two), _shards(one)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key][0], b[key][0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(a[key][1], b[key][1])
