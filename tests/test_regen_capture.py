@@ -172,3 +172,24 @@ def test_two_ranks_keep_states_like_one_process_passes(tmp_path, text_twin):
     for key in a:
         torch.testing.assert_close(a[key][0], b[key][0], rtol=1e-5, atol=1e-5)
         assert torch.equal(a[key][1], b[key][1])
+
+
+@pytest.mark.integration
+def test_default_target_keeps_states_for_its_answers(tmp_path):
+    """The embedded default target (real text, real chat template): nearly every regenerated answer re-tokenises
+    to the ids that were generated, so its states are kept and no second pass runs over them; the shards agree
+    with a separate pass within the storage dtype (bf16)."""
+    args = ["data.sources=[{type:builtin,limit:6}]", "data.regen.max_new_tokens=32", "head.draft_vocab_size=512",
+            "stages=[data,extract]"]
+    kept = make_cfg([*args, "extract.source=auto", f"output_root={tmp_path / 'regen'}"])
+    passed = make_cfg([*args, "extract.source=pass", f"output_root={tmp_path / 'pass'}"])
+    run_stages(kept)
+    run_stages(passed)
+    manifest = json.loads((stage_dir(kept, "extract") / "manifest.json").read_text())
+    assert manifest["from_regeneration"]["rows"] >= 0.8 * sum(manifest["rows"].values())
+    a, b = _shards(kept), _shards(passed)
+    assert a.keys() == b.keys()
+    scale = max(v[0].float().abs().max().item() for v in b.values())
+    for key in a:
+        assert (a[key][0].float() - b[key][0].float()).abs().max().item() <= 0.02 * scale
+    assert torch.cat([a[k][1] == b[k][1] for k in a]).float().mean() >= 0.99

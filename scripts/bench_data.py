@@ -1,0 +1,76 @@
+"""Data tokens per second end to end (regeneration + extraction), a separate extraction pass against the
+hidden states kept while regenerating (``extract.source``), on the same prompts with fresh caches.
+
+    .venv/bin/python scripts/bench_data.py                        # default target, 32 built-in prompts
+    .venv/bin/python scripts/bench_data.py --limit 8 model=tiny-llama   # a smoke run
+
+Each mode runs ``stages=[data,extract]`` in its own scratch output root (nothing cached) in a child process;
+the figures are the stages' wall times from their markers. Prints a table and how close the two modes'
+shards are (max |difference| of the stored states, share of equal argmax tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from train.config import compose  # noqa: E402
+from train.stages import read_marker, stage_dir  # noqa: E402
+
+
+def shards(cfg) -> dict:
+    """(split, row) -> (hidden, argmax) over every extract shard of ``cfg``'s run."""
+    out = {}
+    for shard in json.loads((stage_dir(cfg, "extract") / "manifest.json").read_text())["shards"]:
+        t = load_file(str(stage_dir(cfg, "extract") / shard["file"]))
+        for j, r in enumerate(t["row_index"].tolist()):
+            a, b = t["offsets"][j], t["offsets"][j + 1]
+            out[shard["split"], r] = (t["hidden"][a:b].float(), t["argmax"][a:b])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--limit", type=int, default=32, help="built-in prompts")
+    ap.add_argument("overrides", nargs="*", help="pipeline overrides, e.g. model=tiny-llama")
+    args = ap.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="specheads-bench-data-"))
+    common = ["tracking=none", "stages=[data,extract]", f"data.sources=[{{type:builtin,limit:{args.limit}}}]",
+              *args.overrides]
+    rows, cfgs = [], {}
+    for source in ("pass", "regen"):
+        overrides = [*common, f"extract.source={source}", f"output_root={scratch / source}"]
+        subprocess.run([sys.executable, str(ROOT / "train/run.py"), *overrides], cwd=ROOT, check=True)
+        cfg = cfgs[source] = compose(overrides)
+        data, extract = read_marker(cfg, "data"), read_marker(cfg, "extract")
+        stats = json.loads((stage_dir(cfg, "data") / "stats.json").read_text())
+        manifest = json.loads((stage_dir(cfg, "extract") / "manifest.json").read_text())
+        tokens = manifest["tokens"]
+        wall = data["wall_s"] + extract["wall_s"]
+        rows.append((source, stats["regeneration"]["new_tokens"], tokens, data["wall_s"], extract["wall_s"], wall,
+                     tokens / wall, manifest.get("from_regeneration", {}).get("rows", 0), sum(manifest["rows"].values())))
+    print(f"\n{'source':8} {'new tok':>8} {'tokens':>7} {'data s':>7} {'extract s':>9} {'total s':>8} "
+          f"{'tok/s':>7} {'kept rows':>10}")
+    for source, new, tokens, d, e, w, rate, kept, total in rows:
+        print(f"{source:8} {new:>8} {tokens:>7} {d:>7.1f} {e:>9.1f} {w:>8.1f} {rate:>7.1f} {kept:>5}/{total}")
+    print(f"end-to-end speed-up regen / pass: {rows[1][6] / rows[0][6]:.2f}x")
+    a, b = shards(cfgs["regen"]), shards(cfgs["pass"])
+    same = [k for k in a if k in b and a[k][0].shape == b[k][0].shape]
+    diff = max((a[k][0] - b[k][0]).abs().max().item() for k in same)
+    agree = torch.cat([a[k][1] == b[k][1] for k in same]).float().mean().item()
+    print(f"shards: {len(same)}/{len(b)} rows comparable; max |state difference| {diff:.3g}; argmax agreement "
+          f"{agree:.4f}")
+
+
+if __name__ == "__main__":
+    main()
