@@ -39,9 +39,9 @@ def _read(dataset: str, source: dict, category: str | None, all_turns: bool, spl
     return out
 
 
-def load_prompts(cfg: DictConfig) -> list[EvalPrompt]:
-    """``eval.datasets`` (builtin | humaneval) plus ``eval.questions`` (named after the file), each cut to
-    ``eval.limit`` prompts spread over its categories."""
+def prompt_sets(cfg: DictConfig) -> list[list[EvalPrompt]]:
+    """Every prompt of each evaluation dataset (``eval.datasets``, then ``eval.questions`` named after the
+    file), each spread over its categories (:func:`spread`), uncut."""
     ecfg = cfg.eval
     sets = []
     for name in ecfg.datasets:
@@ -54,9 +54,26 @@ def load_prompts(cfg: DictConfig) -> list[EvalPrompt]:
                              "goes in eval.questions=<path.jsonl>)")
     if ecfg.questions:
         sets.append(_read(Path(ecfg.questions).stem, {"path": str(ecfg.questions)}, None, ecfg.all_turns, None))
-    return [p for s in sets for p in spread(s, ecfg.limit)]
+    return [spread(s, None) for s in sets]
 
 
-def calibration_prompts(limit: int) -> list[EvalPrompt]:
-    """Built-in TRAIN-split prompts for sizing the tree, so no evaluation prompt is seen beforehand."""
-    return spread(_read("calibration", {"type": "builtin"}, None, False, "train"), limit)
+def load_prompts(cfg: DictConfig) -> list[EvalPrompt]:
+    """The timed prompts: each dataset of :func:`prompt_sets` cut to ``eval.limit`` prompts."""
+    return [p for s in prompt_sets(cfg) for p in s[:cfg.eval.limit]]
+
+
+def calibration_prompts(cfg: DictConfig, n: int) -> tuple[list[EvalPrompt], str]:
+    """Up to ``n`` HELD-OUT prompts (first turns) for sizing the tree, and a sentence saying which: those
+    of the evaluation datasets that ``eval.limit`` leaves out (never timed; never trained on: the built-in
+    set's validation split, HumanEval and ``eval.questions`` are excluded from training), round-robin over
+    the datasets. Only when no dataset has any left (``eval.limit`` null or >= its size) the built-in
+    TRAINING prompts are used, and the sentence says their tau is optimistic."""
+    rest = [s[cfg.eval.limit:] for s in prompt_sets(cfg)] if cfg.eval.limit is not None else []
+    picked = [p for row in zip_longest(*rest) for p in row if p is not None][:n]
+    if picked:
+        source = "held-out prompts beyond eval.limit (never timed, never trained on)"
+    else:
+        picked = spread(_read("calibration", {"type": "builtin"}, None, False, "train"), n)
+        source = ("built-in TRAINING prompts (no evaluation prompt is left beyond eval.limit): the measured tau is "
+                  "optimistic")
+    return [EvalPrompt(p.dataset, p.category, p.id, p.turns[:1]) for p in picked], source

@@ -110,13 +110,21 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
     return lines + ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
 
 
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{method} {n} prompt records" for method, n in counts.items())
+
+
 def markdown(report: dict) -> str:
     """The report a person reads: what speculation costs, how fast each method is, what to deploy."""
     tree = report["tree"]
+    shared = report.get("baselines") or {}
+    timed = ("the same process, prompt by prompt" if not shared.get("reused") else
+             f"another process for the reused records ({_counts(shared['reused'])} from `{shared['file']}`: "
+             "an earlier eval of this target on this machine; `eval.share_baselines=false` times them here)")
     lines = [f"# Speculative decoding eval: {report['target']} + {report['head']} head", "",
-             f"Device {report['device']} ({report['cpu_threads']} CPU threads), {report['dtype']}. Speedup = tokens/s over plain decoding measured in "
-             "the same process, prompt by prompt. tau = new tokens / target forward passes (prefill included).", "",
-             "## What speculation costs", ""]
+             f"Device {report['device']} ({report['cpu_threads']} CPU threads), {report['dtype']}. Speedup = tokens/s "
+             f"over plain decoding measured in {timed}. tau = new tokens / target forward passes (prefill included).",
+             "", "## What speculation costs", ""]
     lines += _table(["", "parameters", "memory (MB)"], [
         ["target", f"{report['target_params']:,}", report["target_memory_mb"]],
         [f"{report['head']} head", f"{report['head_params']:,}", report["head_extra_memory_mb"]],
@@ -126,6 +134,8 @@ def markdown(report: dict) -> str:
     if report["head"] == "eagle3":
         lines.append(f"- EAGLE-2 tree: top_k {tree['top_k']}, depth {tree['depth']}, total_tokens "
                      f"{tree['total_tokens']} ({tree['total_tokens_source']})")
+        if tree.get("calibration"):
+            lines.append(f"- tau measured on {tree['calibration']}")
     else:
         lines.append(f"- Medusa tree: {tree['medusa_nodes']} nodes")
     lines += [f"- chains: {tree['chain_k']} draft tokens; verify time of the target vs tree tokens on this machine:", ""]

@@ -7,9 +7,14 @@ it is decoded, and ``progress.json`` keeps the eval fingerprint and the tree siz
 the same fingerprint (after a crash) keeps them and decodes only the prompts whose records are missing
 (``force=[eval]`` or another fingerprint starts over).
 Plain decoding and every method run in the same process, prompt by prompt, so machine noise hits
-both; at temperature 0 every method must reproduce plain greedy decoding token for token. Where it does
-not (in bf16 a tree verify and a one-token step round differently, so near-tie argmaxes can flip), the
-first divergence is re-scored by the target in float32: a "tie" is numerical, a "mismatch" a decoder bug.
+both. Plain and n-gram decoding do not depend on the head: with ``eval.share_baselines`` (default) their
+records (tokens and timings) are kept per target, machine and decode setting under ``eval.shared_dir``
+(eval/shared.py) and the next head's eval reuses them instead of decoding again; the report's ``baselines``
+field says how many were reused (their timings come from another process). The tree sizing's
+measurements are cached there too. At temperature 0 every method must reproduce plain greedy decoding
+token for token (reused plain tokens included). Where it does not (in bf16 a tree verify and a one-token
+step round differently, so near-tie argmaxes can flip), the first divergence is re-scored by the target in
+float32: a "tie" is numerical, a "mismatch" a decoder bug.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import os
 from itertools import chain
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -30,11 +36,23 @@ from eval.decoder import Generation, SpecDecoder
 from eval.drafters import Drafter, Eagle3Drafter, build_drafter, medusa_choices
 from eval.prompts import EvalPrompt, calibration_prompts, load_prompts
 from eval.report import aggregate, decoder_bugs, log_wandb, markdown, plot, recommend
+from eval.shared import (
+    SHARED_METHODS,
+    Baselines,
+    JsonCache,
+    baseline_settings,
+    baseline_summary,
+    digest,
+    target_identity,
+)
 from eval.treesize import acceptance_curve, choose_total_tokens, draft_times, measure_verify_time
 from heads.io import head_type, load_head
 from train.log import log, progress
-from train.stages import fingerprint, require, stage_dir
-from train.target import load_target, load_tokenizer
+from train.stages import fingerprint, require, stage_dir, upstream_ids
+from train.target import load_target, load_tokenizer, target_fingerprint
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 
 def eos_token_ids(target, tokenizer) -> set[int]:
@@ -132,32 +150,70 @@ def context_ids(tokenizer, prompts: list[EvalPrompt], length: int) -> list[int]:
     return list(chain.from_iterable(turns * (1 + length // sum(map(len, turns)))))[:length]
 
 
-def size_tree(cfg: DictConfig, decoder: SpecDecoder, head, tokenizer) -> dict:
+def _ints(curve: dict) -> dict[int, float]:
+    """A size -> value curve with integer sizes again (JSON stores keys as strings)."""
+    return {int(k): v for k, v in curve.items()}
+
+
+def measure_acceptance(cfg: DictConfig, decoder: SpecDecoder, head, tokenizer, prompts: list[EvalPrompt],
+                       context: list[int], sizes: tuple[int, ...], bar: tqdm | None = None) -> dict:
+    """An EAGLE-3 head's draft ms per tree size (``context`` cached) and its acceptance curve tau(T) from
+    greedy decodes of ``prompts`` with the largest tree; ``bar`` advances per size and per prompt."""
+    t, layers = cfg.eval.tree, list(head.config.aux_layers)
+    _, _, hidden = decoder.prefill(context[:-1], layers)
+    draft_ms = {}
+    for s in (s for s in sizes if s >= 2):
+        drafter = Eagle3Drafter(head, "tree", t.top_k, t.depth, s)
+        draft_ms[s] = sum(draft_times(decoder, drafter, context, hidden).values())
+        bar and bar.update()
+    drafter, gens = Eagle3Drafter(head, "tree", t.top_k, t.depth, max(sizes)), []
+    for p in prompts:
+        gens += converse(decoder, drafter, tokenizer, p, cfg, 0.0, cfg.seed)
+        bar and bar.update()
+    return {"draft_ms": draft_ms, "acceptance_curve": acceptance_curve(gens, sizes), "decodes": len(gens)}
+
+
+def size_tree(cfg: DictConfig, decoder: SpecDecoder, head, tokenizer, cache: JsonCache | None = None,
+              head_id: str | None = None) -> dict:
     """Verify time vs tree tokens on this machine and, with ``tree.total_tokens=auto``, the EAGLE tree
-    size with the best predicted speedup from an acceptance curve measured on a few TRAINING prompts
-    (never the evaluation prompts)."""
+    size with the best predicted speedup from an acceptance curve measured on HELD-OUT prompts
+    (:func:`eval.prompts.calibration_prompts`: never timed, never trained on; ``calibration`` says which).
+    With a ``cache`` the verify curve (per target + machine: every head's eval shares it) and, given the
+    head's identity ``head_id``, its draft times and acceptance curve are read from it, else measured and
+    stored there."""
     t, kind = cfg.eval.tree, head_type(head)
-    prompts = calibration_prompts(max(t.calibration_prompts, 8))
+    cache = cache or JsonCache(None)
+    prompts, source = calibration_prompts(cfg, max(t.calibration_prompts, 8))
     context = context_ids(tokenizer, prompts, t.context)
-    layers = list(head.config.aux_layers) if kind == "eagle3" else [decoder.target.config.num_hidden_layers]
     sizes = tuple(int(s) for s in t.sizes)
-    info = {"top_k": t.top_k, "depth": t.depth, "chain_k": cfg.eval.chain_k,
-            "verify_ms": measure_verify_time(decoder, context, sizes, hidden_layers=layers)}
+    auto = kind == "eagle3" and t.total_tokens == "auto"
+    calibration = prompts[: t.calibration_prompts]
+    vkey = {"verify_ms": sizes, "context": digest(context)}
+    akey = {"acceptance": head_id, "context": digest(context), "prompts": digest([p.turns for p in calibration]),
+            "sizes": sizes, "top_k": t.top_k, "depth": t.depth, "max_new_tokens": cfg.eval.max_new_tokens,
+            "seed": cfg.seed, "system_prompt": cfg.data.system_prompt, "thinking": cfg.data.get("thinking")}
+    acache = cache if head_id else JsonCache(None)
+    verify, accept = cache.get(vkey), acache.get(akey) if auto else None
+    steps = (verify is None) * len(sizes) + (auto and accept is None) * (sum(s >= 2 for s in sizes) + len(calibration))
+    bar = progress(total=steps, desc="eval tree sizing") if steps else None
+    if verify is None:
+        verify = cache.put(vkey, measure_verify_time(decoder, context, sizes, bar=bar))
+    info = {"top_k": t.top_k, "depth": t.depth, "chain_k": cfg.eval.chain_k, "verify_ms": _ints(verify)}
     log("[eval] verify ms vs tree tokens: " + ", ".join(f"{s}: {ms:.0f}" for s, ms in info["verify_ms"].items()))
-    if kind == "eagle3" and t.total_tokens == "auto":
-        _, _, hidden = decoder.prefill(context[:-1], layers)
-        info["draft_ms"] = {s: sum(draft_times(decoder, Eagle3Drafter(head, "tree", t.top_k, t.depth, s), context,
-                                               hidden).values()) for s in sizes if s >= 2}
-        drafter = Eagle3Drafter(head, "tree", t.top_k, t.depth, max(sizes))
-        gens = [g for p in prompts[: t.calibration_prompts]
-                for g in converse(decoder, drafter, tokenizer, p, cfg, 0.0, cfg.seed)]
-        info["acceptance_curve"] = acceptance_curve(gens, sizes)
+    if auto:
+        if accept is None:
+            accept = acache.put(akey, measure_acceptance(cfg, decoder, head, tokenizer, calibration, context, sizes, bar))
+        info["draft_ms"], info["acceptance_curve"] = _ints(accept["draft_ms"]), _ints(accept["acceptance_curve"])
         info["total_tokens"], info["predicted_speedup"] = choose_total_tokens(
             info["verify_ms"], info["acceptance_curve"], info["draft_ms"])
-        info["total_tokens_source"] = f"auto: best predicted speedup, {len(gens)} calibration decodes"
-        log(f"[eval] total_tokens={info['total_tokens']} (predicted speedups {info['predicted_speedup']})")
+        info["total_tokens_source"] = f"auto: best predicted speedup, {accept['decodes']} calibration decodes"
+        info["calibration"] = f"{source}: {', '.join(f'{p.dataset}/{p.id}' for p in calibration)}"
+        log(f"[eval] total_tokens={info['total_tokens']} (predicted speedups {info['predicted_speedup']}; "
+            f"tau measured on {info['calibration']})")
     else:
         info["total_tokens"], info["total_tokens_source"] = int(t.total_tokens) if kind == "eagle3" else None, "config"
+    if bar is not None:
+        bar.close()
     info["medusa_nodes"] = len(medusa_choices(cfg.eval, head.config.num_heads)) if kind == "medusa" else None
     return info
 
@@ -202,65 +258,98 @@ class Records:
         self.done.update((record_key(r), r) for r in records)
 
 
+def decode_record(prompt: EvalPrompt, method: str, temperature: float, seed: int, gens: list[Generation],
+                  typical: bool) -> dict:
+    """A prompt's record for one method: its tokens per turn, counts and timings (no divergence yet)."""
+    return {
+        "dataset": prompt.dataset, "category": prompt.category, "id": prompt.id, "method": method,
+        "temperature": temperature, "seed": seed, "turns": len(gens), "tokens": [g.tokens for g in gens],
+        "new_tokens": sum(len(g.tokens) for g in gens), "cycles": sum(g.cycles for g in gens),
+        "wall_s": sum(g.wall_s for g in gens), "draft_s": sum(g.draft_s for g in gens),
+        "verify_s": sum(g.verify_s for g in gens), "prefill_s": sum(g.prefill_s for g in gens),
+        "accept_lengths": [n for g in gens for n in g.accept_lengths],
+        "acceptance": "typical (lossy)" if typical and temperature > 0 else "exact", "reused": False,
+    }
+
+
+def judge(scorer: Fp32Scorer, tokenizer, prompt: EvalPrompt, cfg: DictConfig, record: dict,
+          plain: list[list[int]]) -> dict:
+    """``record`` with ``identical`` and ``divergence`` against plain decoding's tokens ``plain`` (greedy
+    only; None when sampling); a real mismatch is logged as a decoder bug."""
+    greedy = record["temperature"] == 0
+    div = divergence(scorer, tokenizer, prompt, cfg, plain, record["tokens"]) if greedy else None
+    if div and div["kind"] == "mismatch":
+        log(f"[eval] DECODER BUG: {record['method']} departs from plain decoding on {prompt.dataset}/{prompt.id} "
+            f"after {div['position']} tokens: {div['method_token']} instead of {div['plain_token']} "
+            f"(fp32 logit gap {div['fp32_gap']})")
+    return {**record, "identical": div is None if greedy else None, "divergence": div}
+
+
 def evaluate(cfg: DictConfig, decoder: SpecDecoder, drafters: dict[str, Drafter], tokenizer,
              prompts: list[EvalPrompt], temperature: float, scorer: Fp32Scorer | None = None,
-             store: Records | None = None) -> list[dict]:
+             store: Records | None = None, baselines: Baselines | None = None) -> list[dict]:
     """Per prompt: plain, then every method (rotating their order); the first ``eval.warmup`` prompts are
-    decoded once untimed first. Returns one record per prompt x method; at temperature 0 with its first
-    divergence from plain decoding (:func:`divergence`), a real mismatch logged as a decoder bug. With a
-    ``store``, prompts whose records it holds are not decoded again (their records are returned; a prompt
-    keeps its index, hence its seed) and the new ones are added to it as each prompt finishes."""
+    decoded once untimed first. Returns one record per prompt x method (:func:`decode_record`), judged
+    against plain decoding's tokens (:func:`judge`). With a ``store``, prompts whose records it holds are
+    not decoded again (their records are returned; a prompt keeps its index, hence its seed) and the new
+    ones are added to it as each prompt finishes. With ``baselines``, the records of plain and n-gram found
+    there (another head's eval, an earlier run) are reused (``reused``: tokens and timings from that
+    process) and those decoded here are added to it."""
     scorer = scorer or Fp32Scorer(decoder.target)
     methods = [m for m in drafters if m != "plain"]
     typical = {m: bool(cfg.eval.typical_acceptance) and m.startswith("medusa") for m in drafters}
-    warm = prompts[: cfg.eval.warmup]
     done = store.done if store is not None else {}
+    shared = [m for m in SHARED_METHODS if m in drafters]
+    n_warm, base = min(cfg.eval.warmup, len(prompts)), cfg.seed * 100003
 
     def kept(prompt: EvalPrompt) -> list[dict] | None:
         found = [done.get((prompt.dataset, str(prompt.id), m, temperature)) for m in drafters]
         return None if None in found else found
 
-    if all(kept(p) for p in prompts):
-        warm = []  # nothing left to time: no warmup either
-    todo = sum(kept(p) is None for p in prompts)
-    if store is not None and todo < len(prompts):
-        log(f"[eval] T={temperature}: {len(prompts) - todo} prompts kept from an earlier run, {todo} to decode")
-    records = []
-    bar = progress(total=(len(warm) + todo) * len(drafters), desc=f"eval T={temperature}")
-    for i, prompt in enumerate(warm + prompts):
-        if i >= len(warm) and kept(prompt) is not None:
-            records.extend(kept(prompt))
-            continue
+    def order(i: int, skip: dict) -> list[str]:   # plain first, the others rotated by the prompt's index
         shift = i % max(1, len(methods))
+        return [m for m in ["plain", *methods[shift:], *methods[:shift]] if m not in skip]
+
+    old = {j: k for j, p in enumerate(prompts) if (k := kept(p)) is not None}
+    reuse = {j: baselines.find(p.turns, shared, temperature, base + n_warm + j) if baselines else {}
+             for j, p in enumerate(prompts) if j not in old}
+    decoded = {m for j, have in reuse.items() for m in order(n_warm + j, have)}
+    warm = [m for m in drafters if m in decoded]   # nothing left to time: no warmup either
+    todo = sum(len(order(n_warm + j, have)) for j, have in reuse.items())
+    if store is not None and old:
+        log(f"[eval] T={temperature}: {len(old)} prompts kept from an earlier run, {len(reuse)} to decode")
+    if any(reuse.values()):
+        log(f"[eval] T={temperature}: {sum(map(len, reuse.values()))} plain/n-gram prompt records reused from "
+            f"{baselines.path} (decoded by an earlier eval process of this target on this machine)")
+    bar = progress(total=n_warm * len(warm) + todo, desc=f"eval T={temperature}")
+
+    def decode(prompt: EvalPrompt, i: int, which: list[str]) -> dict[str, list[Generation]]:
         outputs = {}
-        for method in ["plain", *methods[shift:], *methods[:shift]]:
-            outputs[method] = converse(decoder, drafters[method], tokenizer, prompt, cfg, temperature,
-                                       cfg.seed * 100003 + i, typical[method])
+        for method in which:
+            outputs[method] = converse(decoder, drafters[method], tokenizer, prompt, cfg, temperature, base + i,
+                                       typical[method])
             bar.set_postfix_str(method)
             bar.update()
-        if i < len(warm):
+        return outputs
+
+    for i, prompt in enumerate(prompts[:n_warm] if warm else []):
+        decode(prompt, i, warm)
+    records = []
+    for j, prompt in enumerate(prompts):
+        if j in old:
+            records.extend(old[j])
             continue
-        plain = [g.tokens for g in outputs["plain"]]
-        mine = []
-        for method, gens in outputs.items():
-            div = divergence(scorer, tokenizer, prompt, cfg, plain, [g.tokens for g in gens]) if temperature == 0 else None
-            if div and div["kind"] == "mismatch":
-                log(f"[eval] DECODER BUG: {method} departs from plain decoding on {prompt.dataset}/{prompt.id} after "
-                    f"{div['position']} tokens: {div['method_token']} instead of {div['plain_token']} "
-                    f"(fp32 logit gap {div['fp32_gap']})")
-            mine.append({
-                "dataset": prompt.dataset, "category": prompt.category, "id": prompt.id, "method": method,
-                "temperature": temperature, "turns": len(gens),
-                "new_tokens": sum(len(g.tokens) for g in gens), "cycles": sum(g.cycles for g in gens),
-                "wall_s": sum(g.wall_s for g in gens), "draft_s": sum(g.draft_s for g in gens),
-                "verify_s": sum(g.verify_s for g in gens), "prefill_s": sum(g.prefill_s for g in gens),
-                "accept_lengths": [n for g in gens for n in g.accept_lengths],
-                "identical": div is None if temperature == 0 else None, "divergence": div,
-                "acceptance": "typical (lossy)" if typical[method] and temperature > 0 else "exact",
-            })
+        i, have = n_warm + j, reuse[j]
+        fresh = {m: decode_record(prompt, m, temperature, base + i, gens, typical[m])
+                 for m, gens in decode(prompt, i, order(i, have)).items()}
+        found = {**fresh, **{m: {**r, "dataset": prompt.dataset, "category": prompt.category, "id": prompt.id}
+                             for m, r in have.items()}}
+        mine = [judge(scorer, tokenizer, prompt, cfg, found[m], found["plain"]["tokens"]) for m in drafters]
         records.extend(mine)
         if store is not None:
             store.add(mine)
+        if baselines is not None:
+            baselines.add(prompt.turns, [fresh[m] for m in shared if m in fresh])
     bar.close()
     return records
 
@@ -271,9 +360,10 @@ def _mb(tensors) -> float:
 
 def run(cfg: DictConfig) -> dict:
     """Writes report.json = {target, head, device, dtype, cpu_threads, head_params, head_extra_memory_mb,
-    target_params, target_memory_mb, tree, results: [{dataset, category, method, temperature, n_prompts,
-    new_tokens, cycles, tau, tokens_per_s, plain_tokens_per_s, speedup, draft_time_share,
-    identical_to_plain, divergence_rate, divergence_position, ties, mismatches, acceptance}],
+    target_params, target_memory_mb, tree, baselines (eval.shared.baseline_summary), results: [{dataset,
+    category, method, temperature, n_prompts, new_tokens, cycles, tau, tokens_per_s, plain_tokens_per_s,
+    speedup, draft_time_share, identical_to_plain, divergence_rate, divergence_position, ties, mismatches,
+    acceptance}],
     recommendations, decoder_bugs}, report.md, records.jsonl and plots (fields: eval/report.py)."""
     require(cfg, "train")
     set_thinking(cfg.data.get("thinking"))  # prompts rendered as the data stage rendered them
@@ -293,18 +383,25 @@ def run(cfg: DictConfig) -> dict:
 
     methods = resolve_methods(OmegaConf.to_container(cfg.eval.methods) if OmegaConf.is_config(cfg.eval.methods)
                               else cfg.eval.methods, kind)
-    store = Records(out, fingerprint(cfg, "eval"), methods, fresh="eval" in cfg.force)
+    fresh = "eval" in cfg.force
+    store = Records(out, fingerprint(cfg, "eval"), methods, fresh)
+    identity = target_identity(target_fingerprint(cfg), decoder.eos, target)
+    shared_dir = Path(cfg.eval.shared_dir)
+    baselines = (Baselines(shared_dir, {**identity, **baseline_settings(cfg)}, fresh) if cfg.eval.share_baselines
+                 else None)
     if store.tree is not None:
         tree = store.tree
         log(f"[eval] resuming: tree sizing and {len(store.done)} records kept from an earlier run")
     else:
-        tree = size_tree(cfg, decoder, head, tokenizer)
+        tree = size_tree(cfg, decoder, head, tokenizer, JsonCache(shared_dir / "sizing", identity, fresh),
+                         upstream_ids(cfg, "eval")["train"])
         store.keep_tree(tree)
     ecfg = OmegaConf.merge(cfg.eval, {"tree": {"total_tokens": tree["total_tokens"]}})
     drafters = {m: build_drafter(m, head, target.config.num_hidden_layers, ecfg) for m in methods}
     scorer = Fp32Scorer(target)
     records = [r for temperature in cfg.eval.temperatures
-               for r in evaluate(cfg, decoder, drafters, tokenizer, prompts, float(temperature), scorer, store)]
+               for r in evaluate(cfg, decoder, drafters, tokenizer, prompts, float(temperature), scorer, store,
+                                 baselines)]
     results = aggregate(records)
     report = {
         "target": cfg.model.name, "head": kind, "device": str(target.device), "dtype": str(target.dtype),
@@ -313,8 +410,8 @@ def run(cfg: DictConfig) -> dict:
         "head_extra_memory_mb": _mb(chain(head.parameters(), head.buffers())),
         "target_params": sum(p.numel() for p in target.parameters()),
         "target_memory_mb": _mb(chain(target.parameters(), target.buffers())),
-        "tree": tree, "results": results, "recommendations": recommend(results, cfg.eval.min_speedup),
-        "decoder_bugs": decoder_bugs(results),
+        "tree": tree, "baselines": baseline_summary(records, baselines), "results": results,
+        "recommendations": recommend(results, cfg.eval.min_speedup), "decoder_bugs": decoder_bugs(results),
     }
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(markdown(report))

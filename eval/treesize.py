@@ -10,6 +10,7 @@ returned in score order, so the tree of T tokens is the first T - 1 nodes of a b
 from __future__ import annotations
 
 import statistics
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,14 +19,18 @@ from eval.drafters import Drafter
 from eval.sampling import Sampling
 from eval.tree import DraftTree
 
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 @torch.inference_mode()
-def measure_verify_time(decoder: SpecDecoder, context: list[int], sizes: tuple[int, ...] = SIZES,
-                        repeats: int = 3, hidden_layers: list[int] | None = None) -> dict[int, float]:
+def measure_verify_time(decoder: SpecDecoder, context: list[int], sizes: tuple[int, ...] = SIZES, repeats: int = 3,
+                        hidden_layers: list[int] | None = None, bar: tqdm | None = None) -> dict[int, float]:
     """Median ms of one verify pass over ``T`` tree tokens (root + a chain of T - 1 nodes, taken from
-    ``context`` itself) after ``context`` is cached, for each T in ``sizes``."""
+    ``context`` itself) after ``context`` is cached, for each T in ``sizes``; ``bar`` (a progress bar)
+    advances by one per size."""
     layers = hidden_layers or []
     cache, _, _ = decoder.prefill(context[:-1], layers)
     past = cache.get_seq_length()
@@ -39,6 +44,8 @@ def measure_verify_time(decoder: SpecDecoder, context: list[int], sizes: tuple[i
             times.append(decoder.clock() - start)
             cache.crop(-(cache.get_seq_length() - past))
         timings[size] = 1e3 * statistics.median(times[1:])
+        if bar is not None:
+            bar.update()
     return timings
 
 

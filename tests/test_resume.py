@@ -194,7 +194,8 @@ def test_eval_resumes_from_its_records(tmp_path, monkeypatch):
     monkeypatch.setitem(stages.ENTRY, "train", "fake_train")
     overrides = ["model=tiny-llama", "stages=[train,eval]", "eval.datasets=[builtin]", "eval.limit=4",
                  "eval.warmup=0", "eval.max_new_tokens=8", "eval.tree.sizes=[1,2,4]", "eval.tree.context=32",
-                 "eval.tree.calibration_prompts=1", "eval.methods=[eagle3-tree]", "eval.temperatures=[0.0,1.0]"]
+                 "eval.tree.calibration_prompts=1", "eval.methods=[eagle3-tree]", "eval.temperatures=[0.0,1.0]",
+                 "eval.share_baselines=false"]  # what is tested: this run's own records.jsonl
     cfg = make_cfg(overrides, tmp_path)
     calls = []
     real_converse, real_size = eval.stage.converse, eval.stage.size_tree

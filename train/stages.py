@@ -54,7 +54,7 @@ IGNORED = {
     "extract": ["extract.disk_margin"],  # not shard_mb: shards are named by index, a fingerprint must tell them apart
     "train": ["train.log_every", "train.num_threads", "train.keep_checkpoints", "train.checkpoint_every",
               "train.prefetch"],
-    "eval": ["eval.num_threads"],
+    "eval": ["eval.num_threads", "eval.shared_dir"],
 }
 # Keys that rerun the train stage (its result may differ) but keep its checkpoints: the run continues from
 # the latest checkpoint with the new value (budgets: a longer train.max_minutes continues training, the
@@ -127,7 +127,7 @@ def fingerprint(cfg: DictConfig, name: str) -> str:
     parts = config_parts(cfg, name)
     parts["upstream"] = upstream_ids(cfg, name)
     parts["format_version"] = FORMAT_VERSION.get(name, 1)
-    return _hash(parts)
+    return digest(parts)
 
 
 def output_id(cfg: DictConfig, name: str, fp: str) -> str:
@@ -136,8 +136,12 @@ def output_id(cfg: DictConfig, name: str, fp: str) -> str:
     patterns = OUTPUTS.get(name)
     if not patterns:
         return fp
-    h = hashlib.sha256(json.dumps(upstream_ids(cfg, name), sort_keys=True).encode())
-    root = stage_dir(cfg, name)
+    return files_id(stage_dir(cfg, name), patterns, json.dumps(upstream_ids(cfg, name), sort_keys=True))
+
+
+def files_id(root: Path, patterns: list[str], salt: str = "") -> str:
+    """A hash of the names (relative to ``root``) and contents of the files matching ``patterns``."""
+    h = hashlib.sha256(salt.encode())
     for path in sorted({p for pat in patterns for p in root.glob(pat)}):
         h.update(str(path.relative_to(root)).encode() + b"\0")
         with open(path, "rb") as f:
@@ -146,7 +150,8 @@ def output_id(cfg: DictConfig, name: str, fp: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _hash(parts: dict) -> str:
+def digest(parts: dict) -> str:
+    """A short stable hash of a JSON-able value (fingerprints, cache keys)."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
