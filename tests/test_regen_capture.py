@@ -193,3 +193,29 @@ def test_default_target_keeps_states_for_its_answers(tmp_path):
     for key in a:
         assert (a[key][0].float() - b[key][0].float()).abs().max().item() <= 0.02 * scale
     assert torch.cat([a[k][1] == b[k][1] for k in a]).float().mean() >= 0.99
+
+
+def test_a_medusa_run_reuses_the_eagle3_runs_shards(tmp_path, monkeypatch):
+    """The Medusa run's extract copies the final state from the EAGLE-3 run's shards (same target and dataset):
+    no forward pass, the target not even loaded, the same states as its own pass."""
+    args = ["model=tiny-llama", "data.sources=[{type:builtin,limit:12}]", "data.regen.max_new_tokens=12",
+            "extract.dtype=float32", "stages=[data,extract]", f"output_root={tmp_path}"]
+    run_stages(make_cfg([*args, "head=eagle3", "head.draft_vocab_size=96"]))
+    reused = make_cfg([*args, "head=medusa"])
+    own = make_cfg([*args, "head=medusa", "extract.reuse=false", "run_dir=" + str(tmp_path / "own")])
+    import train.extract as extract
+
+    loads, real = [], extract._load_model
+    monkeypatch.setattr(extract, "_load_model", lambda *a: loads.append(1) or real(*a))
+    run_stages(reused)
+    assert not loads  # every row came from the EAGLE-3 run
+    run_stages(own)
+    assert loads
+    manifest = json.loads((stage_dir(reused, "extract") / "manifest.json").read_text())
+    assert manifest["from_run"]["rows"] == sum(manifest["rows"].values()) and manifest["layers"] == [8]
+    assert manifest["from_run"]["run"].endswith("eagle3")
+    a, b = _shards(reused), _shards(own)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key][0], b[key][0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(a[key][1], b[key][1])

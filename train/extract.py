@@ -40,7 +40,7 @@ from train import dist
 from train.errors import UserError
 from train.log import log, progress
 from train.losses import full_argmax
-from train.stages import fingerprint, require, stage_dir
+from train.stages import MARKER, files_id, fingerprint, require, stage_dir
 from train.target import (
     load_config,
     load_target,
@@ -179,23 +179,25 @@ def run(cfg: DictConfig) -> dict:
     shards = plan_shards(lengths, bytes_per_token, cfg.extract.shard_mb)
     fp = fingerprint(cfg, "extract")
     todo = [s for s in shards if not _complete(out / s["file"], fp)]
-    captured, covered = kept_states(cfg, ds, layers, data_manifest["target_fingerprint"])
+    dataset_id = files_id(stage_dir(cfg, "data"), ["dataset/*/*.arrow"])
+    ready = ReadyStates(cfg, ds, lengths, layers, data_manifest["target_fingerprint"], dataset_id)
     check_disk(out, sum(s["tokens"] for s in todo) * (bytes_per_token + 4), cfg.extract.disk_margin)
 
     world, rank = dist.world_size(), dist.rank()
     mine = [s for i, s in enumerate(shards) if i % world == rank and s in todo]
-    model = _load_model(cfg, device)
-    lm_head = _full_weight(model.get_output_embeddings().weight, cfg.extract.zero_stage)
     # ZeRO-3 gathers parameters collectively: every rank must run the same number of forward passes.
     plans = [[b for s in shards[r::world] if s in todo for b in batches(
-        [row for row in s["rows"] if row not in covered[s["split"]]], lengths[s["split"]], cfg.extract.batch_tokens)]
+        [row for row in s["rows"] if row not in ready.rows[s["split"]]], lengths[s["split"]], cfg.extract.batch_tokens)]
         for r in range(world)]
     n_passes = max(len(p) for p in plans) if cfg.extract.zero_stage == 3 else len(plans[rank])
+    if n_passes:  # every row ready: the target is not even loaded
+        model = _load_model(cfg, device)
+        lm_head = _full_weight(model.get_output_embeddings().weight, cfg.extract.zero_stage)
     bar = progress(total=sum(s["tokens"] for s in mine), desc="extract", unit="tok", unit_scale=True)
     start, done_passes, forward_s = time.time(), 0, 0.0
     for shard in mine:
         split = shard["split"]
-        pieces = {r: captured.get(ds[split][r]["key"], lengths[split][r]) for r in shard["rows"] if r in covered[split]}
+        pieces = {r: ready.get(split, r) for r in shard["rows"] if r in ready.rows[split]}
         bar.update(sum(lengths[split][r] for r in pieces))
         for batch in batches([r for r in shard["rows"] if r not in pieces], lengths[split], cfg.extract.batch_tokens):
             width = max(lengths[split][r] for r in batch)
@@ -239,15 +241,13 @@ def run(cfg: DictConfig) -> dict:
         "data_tokens": data_manifest["tokens"],
         "shards": [{"file": s["file"], "split": s["split"], "rows": len(s["rows"]), "tokens": s["tokens"]} for s in shards],
         "rows": {s: len(lengths[s]) for s in SPLITS}, "tokens": tokens, "bytes": total_bytes,
-        "bytes_per_token": round(total_bytes / max(tokens, 1), 1), "world_size": world,
+        "bytes_per_token": round(total_bytes / max(tokens, 1), 1), "world_size": world, "dataset_id": dataset_id,
+        **ready.summary(),
     }
-    if captured is not None:
-        manifest["from_regeneration"] = {"rows": sum(map(len, covered.values())),
-                                         "tokens": sum(lengths[s][r] for s in SPLITS for r in covered[s])}
     if dist.is_main():
         (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        if captured is not None:  # now copied into the shards
-            shutil.rmtree(captured.dir, ignore_errors=True)
+        if ready.captured is not None:  # now copied into the shards
+            shutil.rmtree(ready.captured.dir, ignore_errors=True)
     rate = sum(s["tokens"] for s in mine) / max(elapsed, 1e-9)
     log(f"[extract] {tokens} tokens, {total_bytes / 2**20:.1f} MiB, {manifest['bytes_per_token']} bytes/token; "
         f"rank 0: {rate:.0f} tok/s ({forward_s / max(elapsed, 1e-9):.0%} of the time in forward), "
@@ -256,21 +256,73 @@ def run(cfg: DictConfig) -> dict:
             "tokens_per_s_rank0": round(rate, 1), "peak_rss_gib": round(peak_rss / 2**30, 2)}
 
 
-def kept_states(cfg: DictConfig, ds, layers: list[int], target: str) -> tuple[CapturedStates | None, dict[str, set[int]]]:
-    """With ``extract.source: regen`` (or ``auto`` and the hf backend): the states kept while regenerating, and per split the rows they cover
-    (the others go through the forward pass). Every rank computes the same sets."""
-    covered: dict[str, set[int]] = {s: set() for s in SPLITS}
-    if not keeps_states(cfg):
-        return None, covered
-    captured = CapturedStates(stage_dir(cfg, "data") / "captured", layers, cfg.extract.dtype, target)
-    for split in SPLITS:
-        for r, key in enumerate(ds[split]["key"]):
-            if key in captured.index and captured.covers(key, ds[split][r]["input_ids"]):
-                covered[split].add(r)
-    n = sum(map(len, covered.values()))
-    log(f"[extract] {n} of {sum(len(ds[s]) for s in SPLITS)} rows have states kept while regenerating "
-        f"({len(captured)} captured); the others go through the forward pass")
-    return captured, covered
+class ReadyStates:
+    """Rows whose states exist already, so the forward pass skips them (every rank computes the same sets):
+
+    - ``extract.source: regen`` (``auto`` with the hf backend): kept while the data stage regenerated
+      (:mod:`data.captured`), for rows whose tokens they cover;
+    - ``extract.reuse``: the extract shards of another run of the same target next to this one
+      (``<run_dir>/../*/extract``), built from an identical dataset (same ``dataset_id``) and dtype with a
+      superset of the layers, e.g. the EAGLE-3 run's shards hold the final state a Medusa run needs.
+    """
+
+    def __init__(self, cfg: DictConfig, ds, lengths: dict[str, list[int]], layers: list[int], target: str,
+                 dataset_id: str):
+        self.ds, self.lengths = ds, lengths
+        self.rows: dict[str, dict[int, str]] = {s: {} for s in SPLITS}  # split -> row -> "regeneration" | "run"
+        self.captured = self.sibling = None
+        if keeps_states(cfg):
+            self.captured = CapturedStates(stage_dir(cfg, "data") / "captured", layers, cfg.extract.dtype, target)
+            for split in SPLITS:
+                for r, key in enumerate(ds[split]["key"]):
+                    if key in self.captured.index and self.captured.covers(key, ds[split][r]["input_ids"]):
+                        self.rows[split][r] = "regeneration"
+        if cfg.extract.get("reuse", True):
+            self.sibling = _sibling(cfg, layers, target, dataset_id)
+        if self.sibling is not None:
+            for split in SPLITS:
+                for r in self.sibling[0].index[split]:
+                    self.rows[split].setdefault(r, "run")
+        log(f"[extract] of {sum(map(len, lengths.values()))} rows, {self.count('regeneration')} have states kept "
+            f"while regenerating and {self.count('run')} from the run in "
+            f"{self.sibling[0].dir.parent if self.sibling else None}; the others go through the forward pass")
+
+    def count(self, origin: str) -> int:
+        return sum(o == origin for rows in self.rows.values() for o in rows.values())
+
+    def get(self, split: str, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [length, n_layers, H], argmax [length] int32) of a ready row."""
+        if self.rows[split][row] == "regeneration":
+            return self.captured.get(self.ds[split][row]["key"], self.lengths[split][row])
+        captures, pick = self.sibling
+        hidden, argmax = captures.get(split, row)
+        return hidden[:, pick], argmax
+
+    def summary(self) -> dict:
+        """Manifest entries: how many rows and tokens came from where."""
+        out = {}
+        for origin, key in (("regeneration", "from_regeneration"), ("run", "from_run")):
+            rows = [(s, r) for s in SPLITS for r, o in self.rows[s].items() if o == origin]
+            if rows or (origin == "regeneration" and self.captured is not None):
+                out[key] = {"rows": len(rows), "tokens": sum(self.lengths[s][r] for s, r in rows)}
+        if self.sibling is not None:
+            out["from_run"]["run"] = str(self.sibling[0].dir.parent)
+        return out
+
+
+def _sibling(cfg: DictConfig, layers: list[int], target: str, dataset_id: str) -> tuple[Captures, list[int]] | None:
+    """(the shards of another finished run that hold this run's states, indices of our layers in theirs)."""
+    here = Path(cfg.run_dir).resolve()
+    for path in sorted(here.parent.glob(f"*/extract/{MARKER}")):
+        run = path.parent.parent
+        manifest = run / "extract" / "manifest.json"
+        if run.resolve() == here or not manifest.exists():
+            continue
+        m = json.loads(manifest.read_text())
+        if (m.get("dataset_id"), m["dtype"], m["target_fingerprint"]) == (dataset_id, cfg.extract.dtype, target) \
+                and set(layers) <= set(m["layers"]):
+            return Captures(run / "extract"), [m["layers"].index(i) for i in layers]
+    return None
 
 
 class Captures:
