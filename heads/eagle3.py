@@ -271,6 +271,35 @@ class Eagle3Head(DraftVocab):
             self.norm.weight.copy_(weights.norm)
 
     @torch.no_grad()
+    def init_layer_from_target(self, layer: dict[str, torch.Tensor]) -> list[str]:
+        """Start ``midlayer`` from a target decoder layer (``layer``: its tensors by name inside the layer,
+        as :func:`train.target.load_layer_weights` reads them). q/k/v get the target's weights on the
+        hidden-state half of their 2H-wide input and zeros on the embedding half; ``hidden_norm`` gets the
+        target's ``input_layernorm``; o_proj, the MLP and ``post_attention_layernorm`` are copied. So the
+        first draft step computes exactly that target layer on its feature (with ``fc_init=last_tap`` and the
+        last tap entering that layer: the target's own next residual state), up to what the head lacks; the
+        token path (embedding half, ``input_layernorm``) starts at zero and is learned.
+        Returns the target's tensors the head has no place for (Qwen2's q/k/v biases, Qwen3's q/k norms):
+        they are not copied."""
+        H, attn, mlp = self.config.hidden_size, self.midlayer.self_attn, self.midlayer.mlp
+        into = {"input_layernorm.weight": self.midlayer.hidden_norm.weight,
+                "post_attention_layernorm.weight": self.midlayer.post_attention_layernorm.weight,
+                "self_attn.o_proj.weight": attn.o_proj.weight,
+                **{f"self_attn.{p}_proj.weight": getattr(attn, f"{p}_proj").weight[:, H:] for p in "qkv"},
+                **{f"mlp.{p}_proj.weight": getattr(mlp, f"{p}_proj").weight for p in ("gate", "up", "down")}}
+        missing = sorted(set(into) - set(layer))
+        wrong = [f"{k} {tuple(layer[k].shape)} vs {tuple(v.shape)}" for k, v in into.items()
+                 if k in layer and layer[k].shape != v.shape]
+        if missing or wrong:
+            raise ValueError(f"head.layer_init: the target layer does not fit the draft layer (missing {missing}, "
+                             f"target vs head shapes {wrong}); leave the head's layer sizes at null (the target's)")
+        for name, param in into.items():
+            param.copy_(layer[name])
+        for p in "qkv":
+            getattr(attn, f"{p}_proj").weight[:, :H] = 0
+        return sorted(set(layer) - set(into))
+
+    @torch.no_grad()
     def init_fc_last_tap(self) -> None:
         """``fc`` passes the highest tap through: the first feature is the target's own residual stream."""
         H = self.config.hidden_size

@@ -23,7 +23,6 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from eval.bench import random_head  # noqa: E402
@@ -34,6 +33,7 @@ from eval.report import aggregate  # noqa: E402
 from eval.stage import context_ids, eos_token_ids, evaluate, resolve_methods, size_tree  # noqa: E402
 from eval.treesize import draft_times  # noqa: E402
 from heads.io import head_type, load_head  # noqa: E402
+from train.config import compose  # noqa: E402
 from train.target import load_target, load_tokenizer  # noqa: E402
 
 
@@ -51,10 +51,8 @@ def main() -> None:
     args, overrides = parse()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     presets = [f"model={args.model}"] * bool(args.model) + [f"head={args.head}"] * bool(args.head)
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=[
-            "tracking=none", *presets, "eval.datasets=[builtin]", f"eval.limit={args.prompts}", "eval.warmup=1",
-            f"eval.max_new_tokens={args.max_new_tokens}", "eval.temperatures=[0.0]", *overrides])
+    cfg = compose(["tracking=none", *presets, "eval.datasets=[builtin]", f"eval.limit={args.prompts}", "eval.warmup=1",
+                   f"eval.max_new_tokens={args.max_new_tokens}", "eval.temperatures=[0.0]", *overrides])
     if cfg.eval.num_threads:
         torch.set_num_threads(cfg.eval.num_threads)
     target, tokenizer = load_target(cfg), load_tokenizer(cfg)

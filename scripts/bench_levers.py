@@ -2,10 +2,12 @@
 compared by validation accuracy and simulated tau (on held-out prompts).
 
 Each variant trains for the same wall-clock budget in a scratch copy of a finished run's data and
-extract stages. Default variants: the default config, assistant-only positions, no init from the
-target's lm_head, fewer TTT steps, tap noise.
+extract stages (the same data for every row). Default variants (:data:`VARIANTS`): the default config,
+then one lever per row -- positions, lm_head init, TTT depth, tap noise, starting the draft layer from
+a target layer (with and without the last-tap fc), and the acceptance objectives (TV, LK-alpha,
+LK-lambda) instead of KL.
 
-    .venv/bin/python scripts/bench_levers.py [--minutes 6] [--variant "name:key=value,key=value" ...] [key=value ...]
+    .venv/bin/python scripts/bench_levers.py [--minutes 6] [--head eagle3|medusa] [--variant "name:key=value,key=value" ...] [key=value ...]
 
 Extra ``key=value`` arguments are Hydra overrides of the run read (and of every variant), e.g.
 ``model=tiny-llama output_root=/tmp/x`` (the smoke test in tests/test_scripts.py).
@@ -20,13 +22,21 @@ import shutil
 
 from _bench import scratch_run
 
-DEFAULT_VARIANTS = [
-    "default:",
-    "assistant-only positions:train.positions=assistant",
-    "no lm_head init:head.init_from_target=false",
-    "TTT 3 steps:head.ttt_steps=3",
-    "tap noise 0.05:train.noise_std=0.05",
-]
+# "name:overrides" per head; the first row is the baseline the others are compared with.
+OBJECTIVE_VARIANTS = ["TV loss:head.loss=tv", "LK-alpha loss:head.loss=lk_alpha", "LK-lambda loss:head.loss=lk_lambda"]
+VARIANTS = {
+    "eagle3": [
+        "default:",
+        "assistant-only positions:train.positions=assistant",
+        "no lm_head init:head.init_from_target=false",
+        "TTT 7 steps:head.ttt_steps=7",
+        "tap noise 0.05:head.tap_noise=0.05",
+        "layer init N-3:head.layer_init=-3",
+        "layer init N-3 + last-tap fc:head.layer_init=-3,head.fc_init=last_tap",
+        *OBJECTIVE_VARIANTS,
+    ],
+    "medusa": ["default:", "assistant-only positions:train.positions=assistant", *OBJECTIVE_VARIANTS],
+}
 
 
 def train_variant(overrides: list[str], minutes: float, head: str, source: list[str] = ()) -> dict:
@@ -49,7 +59,7 @@ def main() -> None:
     args, source = parser.parse_known_args()
     logging.basicConfig(level=logging.WARNING)
     rows = []
-    for spec in args.variant or DEFAULT_VARIANTS:
+    for spec in args.variant or VARIANTS[args.head]:
         name, _, overrides = spec.partition(":")
         summary = train_variant([o for o in overrides.split(",") if o], args.minutes, args.head, source)
         rows.append((name, summary))
@@ -57,11 +67,13 @@ def main() -> None:
         print(f"{name}: steps {summary['steps']}, {summary['tokens_per_s']:.0f} tok/s, best sim_tau "
               f"{best['sim_tau']:.3f} chain_tau {best['chain_tau']:.3f}", flush=True)
     print(f"\n== training levers: {args.head}, {args.minutes} min each, validation (held-out prompts) ==")
-    print(f"{'variant':<28} {'steps':>6} {'tok/s':>6} {'acc_0':>6} {'acc_1':>6} {'acc_2':>6} {'sim_tau':>8} {'chain_tau':>9}")
+    print(f"{'variant':<36} {'steps':>6} {'tok/s':>6} {'acc_0':>6} {'acc_1':>6} {'acc_2':>6} {'sim_tau':>8} "
+          f"{'vs first':>8} {'chain_tau':>9}")
+    base = rows[0][1]["best"]["sim_tau"]
     for name, s in rows:
         b = s["best"]
-        print(f"{name:<28} {s['steps']:6d} {s['tokens_per_s']:6.0f} {b['acc_0']:6.3f} {b.get('acc_1', 0):6.3f} "
-              f"{b.get('acc_2', 0):6.3f} {b['sim_tau']:8.3f} {b['chain_tau']:9.3f}")
+        print(f"{name:<36} {s['steps']:6d} {s['tokens_per_s']:6.0f} {b['acc_0']:6.3f} {b.get('acc_1', 0):6.3f} "
+              f"{b.get('acc_2', 0):6.3f} {b['sim_tau']:8.3f} {b['sim_tau'] - base:+8.3f} {b['chain_tau']:9.3f}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import argparse
 import json
 import logging
 import multiprocessing
-import resource
 import shutil
 from concurrent.futures import ProcessPoolExecutor
 
@@ -24,6 +23,7 @@ from _bench import scratch_run
 
 
 def bench(head: str, steps: int, extra: list[str], overrides: list[str]) -> dict:
+    from train.log import peak_rss_gib
     from train.stages import run_stages, stage_dir
 
     cfg, _ = scratch_run([f"head={head}", *overrides], ["data", "extract"],
@@ -33,7 +33,7 @@ def bench(head: str, steps: int, extra: list[str], overrides: list[str]) -> dict
         run_stages(cfg)
         summary = json.loads((stage_dir(cfg, "train") / "summary.json").read_text())
         return {"model": cfg.model.name, "tokens_per_s": summary["train_tokens_per_s"], "wall_s": summary["wall_s"],
-                "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+                "peak_rss_gib": peak_rss_gib()}
     finally:
         shutil.rmtree(cfg.run_dir, ignore_errors=True)
 

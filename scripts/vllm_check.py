@@ -133,13 +133,13 @@ class Export:
 def run_config(run_dir: Path) -> DictConfig:
     """The run's config composed like ``train/run.py`` did: with the Hydra overrides it saved in
     ``.hydra/overrides.yaml``, else with the model preset named by the path (<output_root>/<model>/<head>)."""
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
+
+    from train.config import compose
 
     saved = run_dir / ".hydra" / "overrides.yaml"
     overrides = [str(o) for o in OmegaConf.load(saved)] if saved.exists() else [f"model={run_dir.parent.name}"]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
+    cfg = compose(overrides)
     cfg.run_dir = str(run_dir)
     return cfg
 

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -44,9 +43,10 @@ class LoggedRun(subprocess.Popen):
 
 def make_cfg(overrides: list[str], tmp: Path | None = None):
     """Compose ``conf/config.yaml`` with overrides, as ``train/run.py`` would (no Hydra run dir)."""
+    from train.config import compose
+
     extra = [f"output_root={tmp}"] if tmp is not None else []
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return compose(config_name="config", overrides=["tracking=none", *extra, *overrides])
+    return compose(["tracking=none", *extra, *overrides])
 
 
 @pytest.fixture

@@ -21,9 +21,9 @@ GiB = 2**30
 def test_plan_cli_offline_without_weights(model, tmp_path):
     """`plan=true` prints every stage for a 7-8B preset offline, from the shipped config snapshot, in
     seconds and without loading weights (the process stays far below the weights' size)."""
-    script = ("import resource, runpy, sys; sys.argv = sys.argv[1:]\n"
+    script = ("import runpy, sys; sys.argv = sys.argv[1:]\n"
               "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
-              "finally:\n    print('MAXRSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+              "finally:\n    from train.log import peak_rss_gib\n    print('MAXRSS', peak_rss_gib())")
     env = child_env(HF_HOME=str(tmp_path / "hf"))   # an empty HF cache
     start = time.time()
     out = subprocess.run([sys.executable, "-c", script, str(ROOT / "train/run.py"), f"model={model}", "head=eagle3",
@@ -38,7 +38,7 @@ def test_plan_cli_offline_without_weights(model, tmp_path):
                      f"{4 * hidden * 2 + 4:,} bytes/token", "memory per rank (peak)", "activations", "peak transient",
                      "optimizer states", "tok/s per rank"):
         assert expected in text, (expected, text)
-    assert int(text.rsplit("MAXRSS", 1)[1]) < 3 * GiB
+    assert float(text.rsplit("MAXRSS", 1)[1]) < 3
     assert not (tmp_path / model / "eagle3" / "data").exists()   # no stage ran
 
 

@@ -55,8 +55,8 @@ def source(tmp_path_factory):
 
 def test_every_script_has_a_smoke_test():
     """A new script gets a test here (or a reason not to)."""
-    covered = {"_bench.py", "bench_decode.py", "bench_extract.py", "bench_gpu_scale.py", "bench_levers.py",
-               "bench_train.py", "bench_ttt_attention.py", "gpu_check.sh", "setup_env.sh", "setup_vllm_env.sh",
+    covered = {"_bench.py", "bench_data.py", "bench_decode.py", "bench_extract.py", "bench_gpu_scale.py",
+               "bench_levers.py", "bench_train.py", "bench_ttt_attention.py", "gpu_check.sh", "setup_env.sh", "setup_vllm_env.sh",
                "vllm_check.py"}   # vllm_check.py: tests/test_vllm_check.py
     assert {p.name for p in SCRIPTS.iterdir() if p.is_file()} <= covered
 
@@ -95,6 +95,13 @@ def test_bench_decode_medusa():
     out = run_script("bench_decode.py", "--model", "tiny-llama", "--head", "medusa", "--prompts", "1",
                      "--max-new-tokens", "8", "eval.tree.sizes=[1,2,4]", "head.draft_vocab_size=64")
     assert "Medusa tree:" in out and re.search(r"^\s+medusa-tree\s+[\d.]+", out, re.M), out
+
+
+def test_bench_data():
+    out = run_script("bench_data.py", "--limit", "4", "model=tiny-llama", "data.regen.max_new_tokens=8",
+                     "head.draft_vocab_size=64")
+    assert re.search(r"^pass\s+\d+\s+\d+", out, re.M) and re.search(r"^regen\s+\d+\s+\d+", out, re.M), out
+    assert "end-to-end speed-up regen / pass" in out and "4/4 rows comparable" in out
 
 
 def test_bench_extract(source):
@@ -163,3 +170,29 @@ def test_weight_decay_skips_norms_and_biases():
     mnames = {id(p): n for n, p in medusa.named_parameters()}
     free = {mnames[id(p)] for p in param_groups(medusa, 0.1)[1]["params"]}
     assert free and all(n.endswith(".bias") for n in free)
+
+
+def test_the_trainers_engine_decays_matrices_only():
+    """The optimizer the train stage really steps (AdamW inside DeepSpeed's engine, ``train.loop.make_engine``)
+    keeps the groups: no decay on any norm weight or bias of either head."""
+    import torch
+
+    from heads import MedusaConfig, MedusaHead
+    from tests.test_heads import HEAD_CFG, tiny_eagle3
+    from train import dist
+    from train.loop import make_engine
+    from train.target import load_target
+
+    cfg = make_cfg(["model=tiny-llama", "train.weight_decay=0.1"])
+    target = load_target(cfg)
+    dist.init(torch.device("cpu"), single=True)
+    medusa = MedusaHead(MedusaConfig.from_target(target.config, HEAD_CFG, 100))
+    medusa.set_vocab(torch.zeros(100, dtype=torch.long), torch.zeros(target.config.vocab_size, dtype=torch.bool))
+    for head in (tiny_eagle3(target, dv=64), medusa):
+        engine, _ = make_engine(head, cfg.train, torch.float32, lambda step: 1.0)
+        names = {id(p): n for n, p in head.named_parameters()}
+        decay = {names[id(p)]: g["weight_decay"] for g in engine.optimizer.param_groups for p in g["params"]}
+        assert decay.keys() == {n for n, p in head.named_parameters() if p.requires_grad}
+        free = {n for n, wd in decay.items() if wd == 0.0}
+        assert free == {n for n in decay if "norm" in n or n.endswith(".bias")} and free, decay
+        assert set(decay.values()) == {0.0, 0.1}

@@ -19,6 +19,7 @@ from data.engines import BACKENDS
 from eval.drafters import METHODS
 from train.errors import ConfigError
 from train.export import FORMATS
+from train.losses import OBJECTIVES
 from train.stages import ORDER
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -40,7 +41,7 @@ ENUMS = {
     "model.template": ("llama3", "chatml"),
     "head.type": ("eagle3", "medusa"),
     "head.fc_init": ("random", "last_tap"),
-    "head.loss": ("kl", "ce"),
+    "head.loss": lambda cfg: (*OBJECTIVES, "ce") if cfg.head.type == "medusa" else OBJECTIVES,
     "data.overflow": ("truncate", "drop"),
     "data.on_error": ("raise", "skip"),
     "data.exclude_eval": ("humaneval",),
@@ -56,6 +57,7 @@ ENUMS = {
     "train.grad_accum_dtype": ("fp32", "bf16", "fp16"),
     "train.zero_stage": (0, 1, 2, 3),  # 3 is refused by the train stage, with the reason
     "eval.datasets": ("builtin", "humaneval"),
+    "eval.share_baselines": (True, False),
     "eval.methods": ("auto", *METHODS),
     "eval.medusa_choices": lambda cfg: None if OmegaConf.is_list(cfg.eval.medusa_choices) else ("auto", None),
     "export.dtype": DTYPES,
@@ -90,9 +92,10 @@ NUMBERS = {
                      "extract.disk_margin", "planner.avg_row_tokens"], POS_NUM),
     **dict.fromkeys(["train.max_minutes", "planner.tokens", "planner.rows"], POS_NUM[:3] + ((None,),)),
     **dict.fromkeys(["data.regen.temperature", "eval.temperatures", "train.weight_decay", "train.grad_clip",
-                     "train.noise_std", "eval.tie_tolerance"], NON_NEG_NUM),
+                     "eval.tie_tolerance", "head.tap_noise"], NON_NEG_NUM),
     **dict.fromkeys(["data.regen.top_p", "eval.top_p", "head.ttt_decay", "head.decay", "train.min_lr_ratio"], SHARE),
     "data.validation_fraction": ("num", lambda v: 0 <= v < 1, "in [0, 1)", ()),
+    "head.layer_init": ("int", lambda v: True, "(a target layer index, negative from the last)", (None,)),
 }
 _ABSENT = object()
 

@@ -27,7 +27,6 @@ import shutil
 import time
 from pathlib import Path
 
-import psutil
 import torch
 from omegaconf import DictConfig
 from safetensors import safe_open
@@ -38,7 +37,7 @@ from data.stage import load_dataset, row_lengths
 from heads.io import head_config
 from train import dist
 from train.errors import UserError
-from train.log import log, progress
+from train.log import log, peak_rss_gib, progress
 from train.losses import full_argmax
 from train.stages import MARKER, files_id, fingerprint, require, stage_dir
 from train.target import (
@@ -229,7 +228,7 @@ def run(cfg: DictConfig) -> dict:
         capture(model, dummy, layers)
     bar.close()
     elapsed = time.time() - start
-    peak_rss = max(dist.all_gather_objects(psutil.Process().memory_info().rss))
+    peak_rss = max(dist.all_gather_objects(peak_rss_gib()))
     dist.barrier()
 
     total_bytes = sum((out / s["file"]).stat().st_size for s in shards)
@@ -251,9 +250,9 @@ def run(cfg: DictConfig) -> dict:
     rate = sum(s["tokens"] for s in mine) / max(elapsed, 1e-9)
     log(f"[extract] {tokens} tokens, {total_bytes / 2**20:.1f} MiB, {manifest['bytes_per_token']} bytes/token; "
         f"rank 0: {rate:.0f} tok/s ({forward_s / max(elapsed, 1e-9):.0%} of the time in forward), "
-        f"peak RSS {peak_rss / 2**30:.2f} GiB")
+        f"peak RSS {peak_rss:.2f} GiB")
     return {"tokens": tokens, "bytes": total_bytes, "bytes_per_token": manifest["bytes_per_token"],
-            "tokens_per_s_rank0": round(rate, 1), "peak_rss_gib": round(peak_rss / 2**30, 2)}
+            "tokens_per_s_rank0": round(rate, 1), "peak_rss_gib": round(peak_rss, 2)}
 
 
 class ReadyStates:

@@ -19,3 +19,12 @@ def progress(iterable=None, **kwargs):
     from tqdm.auto import tqdm
 
     return tqdm(iterable, disable=not dist.is_main(), dynamic_ncols=True, **kwargs)
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory so far, in GiB (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss * (1 if sys.platform == "darwin" else 1024) / 2**30

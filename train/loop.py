@@ -19,9 +19,11 @@ import random
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from itertools import islice
+from typing import TYPE_CHECKING
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -33,12 +35,15 @@ from heads.io import build_head, head_config, save_head
 from train import dist
 from train.errors import ConfigError, UserError
 from train.extract import Captures, capture, capture_layers
-from train.log import log, progress
+from train.log import log, peak_rss_gib, progress
 from train.losses import StepStats, eagle3_loss, full_argmax, medusa_loss, target_view
 from train.plan import check_train_memory
 from train.stages import RESUMABLE, config_parts, fingerprint, require, stage_dir, upstream_ids
-from train.target import load_target, load_weights, resolve_device, resolve_dtype
+from train.target import load_layer_weights, load_target, load_weights, resolve_device, resolve_dtype
 from train.tracking import Tracker
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 
 def micro_batches(lengths: list[int], max_tokens: int, seed: int, shuffle: bool = True) -> list[list[int]]:
@@ -130,7 +135,7 @@ def prefetch(make: Callable[[list[int]], dict], batches: list[list[int]], depth:
 
 
 def compute(head, kind: str, batch: dict, draft_rows: torch.Tensor, cfg: DictConfig, positions: str,
-            steps: int, noise_std: float = 0.0) -> StepStats:
+            steps: int) -> StepStats:
     """The head's loss on one batch over ``steps`` TTT steps (EAGLE-3); ``draft_rows`` = the target's lm_head
     rows of the draft vocabulary."""
     states = batch["states"]
@@ -139,10 +144,8 @@ def compute(head, kind: str, batch: dict, draft_rows: torch.Tensor, cfg: DictCon
     view = target_view(last, draft_rows, head.t2d, batch["argmax"])
     if kind == "eagle3":
         taps = states[:, :, :-1].flatten(2).to(dtype)
-        if noise_std:
-            taps = taps + noise_std * torch.randn_like(taps)
         return eagle3_loss(head, taps, batch["input_ids"], batch["lengths"], batch["loss_mask"], view,
-                           steps, cfg.head.ttt_decay, positions)
+                           steps, cfg.head.ttt_decay, positions, cfg.head.loss, cfg.head.tap_noise)
     return medusa_loss(head, last.to(dtype), batch["input_ids"], batch["lengths"], batch["loss_mask"], view,
                        cfg.head.decay, positions, cfg.head.loss)
 
@@ -250,14 +253,13 @@ def deepspeed_config(tcfg: DictConfig, dtype: torch.dtype) -> dict:
             **extra}
 
 
-def run(cfg: DictConfig) -> dict:
-    import deepspeed
-
+def setup_process(cfg: DictConfig) -> tuple[torch.device, torch.dtype]:
+    """Refuse what cannot run (ZeRO-3, missing upstream stages, a memory estimate above free memory), then
+    bind this rank's device, join the process group, set the threads and seed. Returns (device, dtype)."""
     tcfg = cfg.train
     if tcfg.zero_stage == 3:
         raise ConfigError("train.zero_stage=3 is not supported: the head would be saved from partitioned (empty) "
                          "parameters. A draft head fits one GPU; use train.zero_stage=1 or 2 to shard its optimizer state.")
-    out = stage_dir(cfg, "train")
     require(cfg, "data")
     if not tcfg.online:
         require(cfg, "extract")
@@ -271,13 +273,14 @@ def run(cfg: DictConfig) -> dict:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size()))))
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
+    return device, dtype
 
+
+def make_head(cfg: DictConfig, weights: TargetWeights, device: torch.device,
+              dtype: torch.dtype) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The head to train on ``device``, initialised from the target's ``weights`` and the data stage's
+    vocabulary, and the target's lm_head rows of its draft vocabulary (in ``dtype``)."""
     kind = cfg.head.type
-    # Offline, the head needs three tensors of the target (embedding, lm_head, final norm), read from its
-    # files; only online training (hidden states computed on the fly) loads the whole target.
-    target = load_target(cfg, device) if tcfg.online else None
-    weights = TargetWeights.of(target) if tcfg.online else load_weights(cfg, dtype)
-    layers = capture_layers(cfg, weights.config)
     vocab = load_file(str(stage_dir(cfg, "data") / "vocab.safetensors"))
     head = build_head(kind, head_config(kind, weights.config, cfg.head, vocab["d2t"].numel()))
     if vocab["t2d"].numel() != head.t2d.numel():
@@ -285,49 +288,114 @@ def run(cfg: DictConfig) -> dict:
                          f"{head.t2d.numel()}: data made for another target; rerun it with force=[data]")
     head.set_vocab(vocab["d2t"], vocab["t2d"])
     head.init_from_target(weights, cfg.head.get("init_from_target", True))
+    if kind == "eagle3" and cfg.head.layer_init is not None:
+        skipped = head.init_layer_from_target(load_layer_weights(cfg, cfg.head.layer_init))
+        log(f"[train] draft layer <- target layer {cfg.head.layer_init}; not copied (the head has none): {skipped}")
     head.to(device)
     if kind == "eagle3" and cfg.head.fc_init == "last_tap":
         head.init_fc_last_tap()
     if kind == "eagle3" and not cfg.head.train_lm_head:
         head.lm_head.requires_grad_(False)  # the target's rows, frozen (EAGLE-1 style; a third less lm_head work)
-    draft_rows = weights.lm_head[head.draft_ids().to(weights.lm_head.device)].to(device, dtype)
-    del weights
+    return head, weights.lm_head[head.draft_ids().to(weights.lm_head.device)].to(device, dtype)
 
+
+@dataclass
+class Data:
+    """The training and validation rows as micro-batch builders, and the length of an epoch."""
+
+    train: Batches
+    val: Batches
+    val_rows: list[int]     # the validation rows used (``train.val_tokens``)
+    lengths: list[int]      # of the training rows
+    steps_per_epoch: int    # optimizer steps of ``per_step`` micro-batches each
+
+
+def load_data(cfg: DictConfig, target, layers: list[int], device: torch.device, per_step: int) -> Data:
+    """The data stage's rows with the extract stage's hidden states (or ``target`` computing them, online)."""
+    tcfg = cfg.train
     ds = load_dataset(cfg)
     captures = None if tcfg.online else Captures(stage_dir(cfg, "extract"))
     if captures is not None and captures.layers != layers:
         raise RuntimeError(f"extracted layers {captures.layers} != layers this head needs {layers}; rerun extract")
-    train_rows, val_rows = ds["train"], ds["validation"]
-    make_train = Batches("train", train_rows, captures, target, layers, device)
-    make_val = Batches("validation", val_rows, captures, target, layers, device)
-    val_rows_used = val_subset(row_lengths(val_rows), tcfg.val_tokens)
-    lengths = row_lengths(train_rows)
-
-    world, rank, G = dist.world_size(), dist.rank(), tcfg.grad_accum
-    per_step = world * G
+    lengths = row_lengths(ds["train"])
     steps_per_epoch = len(micro_batches(lengths, tcfg.micro_batch_tokens, 0)) // per_step
     if steps_per_epoch == 0:
         raise ValueError(f"not enough training rows for one step of {per_step} micro-batches")
-    planned_steps = tcfg.max_steps or tcfg.epochs * steps_per_epoch
-    # With a wall-clock budget the schedule is fitted to it once the warmup has been timed (kept in the
-    # checkpointed state, so a resumed run follows the same schedule).
-    state = {"step": 0, "best": -1.0, "bad_evals": 0, "history": [], "total_steps": planned_steps}
+    return Data(Batches("train", ds["train"], captures, target, layers, device),
+                Batches("validation", ds["validation"], captures, target, layers, device),
+                val_subset(row_lengths(ds["validation"]), tcfg.val_tokens), lengths, steps_per_epoch)
 
-    params = [p for p in head.parameters() if p.requires_grad]
+
+def make_engine(head: torch.nn.Module, tcfg: DictConfig, dtype: torch.dtype,
+                lr_ratio: Callable[[int], float]) -> tuple[DeepSpeedEngine, torch.optim.lr_scheduler.LambdaLR]:
+    """The DeepSpeed engine over ``head``: AdamW with weight decay on matrices only (:func:`param_groups`),
+    learning rate ``train.lr`` x ``lr_ratio(step)``. Returns (engine, scheduler)."""
+    import deepspeed
+
     optimizer = torch.optim.AdamW(param_groups(head, tcfg.weight_decay), lr=tcfg.lr, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_lambda(s, tcfg.warmup_steps, state["total_steps"], tcfg.min_lr_ratio, state.get("segment")))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_ratio)
     engine, _, _, _ = deepspeed.initialize(model=head, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(tcfg, dtype))
-    model = engine.module
+    return engine, scheduler
 
-    fp = fingerprint(cfg, "train")
-    ckpt_dir = out / "checkpoints"
-    identity = checkpoint_identity(cfg)
-    latest = ckpt_dir / "latest"
-    meta = ckpt_dir / latest.read_text().strip() / "client.json" if latest.exists() else None
-    if meta is not None and meta.exists():
-        changed = checkpoint_changes(json.loads(meta.read_text()), identity)
+
+def run(cfg: DictConfig) -> dict:
+    """The train stage: set up, resume the last checkpoint, train until the budget ends, summarise."""
+    trainer = Trainer(cfg)
+    trainer.resume()
+    trainer.train()
+    return trainer.finish()
+
+
+class Trainer:
+    """One run of the train stage, its steps in the order :func:`run` calls them. ``state`` is what a
+    checkpoint keeps (step, planned steps, best validation tau, early-stopping count, history, schedule
+    fit); the other attributes belong to this process (engine, data, clocks and counters of :meth:`train`)."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        """Set up: the process, the head, the data, the optimizer and its schedule in a DeepSpeed engine."""
+        self.cfg, self.tcfg, self.kind = cfg, cfg.train, cfg.head.type
+        self.out = stage_dir(cfg, "train")
+        self.ckpt_dir = self.out / "checkpoints"
+        self.device, self.dtype = setup_process(cfg)
+        self.world, self.rank = dist.world_size(), dist.rank()
+        self.per_step = self.world * self.tcfg.grad_accum
+        # Offline, the head needs three tensors of the target (embedding, lm_head, final norm), read from its
+        # files; only online training (hidden states computed on the fly) loads the whole target.
+        target = load_target(cfg, self.device) if self.tcfg.online else None
+        weights = TargetWeights.of(target) if self.tcfg.online else load_weights(cfg, self.dtype)
+        layers = capture_layers(cfg, weights.config)
+        head, self.draft_rows = make_head(cfg, weights, self.device, self.dtype)
+        del weights
+        self.data = load_data(cfg, target, layers, self.device, self.per_step)
+        self.planned_steps = self.tcfg.max_steps or self.tcfg.epochs * self.data.steps_per_epoch
+        # With a wall-clock budget the schedule is fitted to it once the warmup has been timed (kept in the
+        # checkpointed state, so a resumed run follows the same schedule).
+        self.state = {"step": 0, "best": -1.0, "bad_evals": 0, "history": [], "total_steps": self.planned_steps}
+        # A lambda, not the bound method: LambdaLR leaves plain functions out of its (checkpointed) state.
+        self.engine, self.scheduler = make_engine(head, self.tcfg, self.dtype, lambda s: self.lr_ratio(s))
+        self.model = self.engine.module
+        self.fingerprint, self.identity = fingerprint(cfg, "train"), checkpoint_identity(cfg)
+
+    def lr_ratio(self, step: int) -> float:
+        """The learning-rate multiplier at ``step`` under the current plan (``state`` changes when refitted)."""
+        t, s = self.tcfg, self.state
+        return lr_lambda(step, t.warmup_steps, s["total_steps"], t.min_lr_ratio, s.get("segment"))
+
+    def resume(self) -> None:
+        """Continue from the latest complete checkpoint. One made with other result keys is refused
+        (:class:`CheckpointMismatchError`) or, with ``force=[train]``, deleted; a changed budget refits the
+        schedule (:func:`refit_budget`); the leftovers of a crash before the first checkpoint are deleted."""
+        cfg, state, ckpt_dir = self.cfg, self.state, self.ckpt_dir
+        latest = ckpt_dir / "latest"
+        meta = ckpt_dir / latest.read_text().strip() / "client.json" if latest.exists() else None
+        if meta is None or not meta.exists():
+            if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
+                if "train" not in cfg.force:  # a crash before the first checkpoint completed: nothing to resume
+                    log(f"[train] {ckpt_dir} holds no complete checkpoint; starting fresh")
+                _remove_checkpoints(ckpt_dir)
+            return
+        changed = checkpoint_changes(json.loads(meta.read_text()), self.identity)
         blocking = [k for k in changed if k not in RESUMABLE["train"]]
         if blocking and "train" not in cfg.force:
             raise CheckpointMismatchError(
@@ -337,150 +405,190 @@ def run(cfg: DictConfig) -> dict:
         if blocking:
             log(f"[train] force=[train]: {', '.join(blocking)} changed; deleting {ckpt_dir} and starting over")
             _remove_checkpoints(ckpt_dir)
-        else:
-            _, client = engine.load_checkpoint(str(ckpt_dir), load_module_strict=False)
-            state.update(client["state"])
-            set_rng_state(client["rng"])
-            if changed:
-                log(f"[train] resuming with changed {', '.join(changed)}")
-            if any(k in changed for k in ("train.max_minutes", "train.max_steps", "train.epochs")):
-                refit_budget(state, planned_steps, lr_lambda(state["step"], tcfg.warmup_steps, state["total_steps"],
-                                                             tcfg.min_lr_ratio, state.get("segment")))
-            log(f"[train] resumed from {meta.parent.name} (step {state['step']}, "
-                f"{state['total_steps']} steps planned)")
-    elif ckpt_dir.exists() and any(ckpt_dir.iterdir()):
-        if "train" not in cfg.force:  # a crash before the first checkpoint completed: nothing to resume
-            log(f"[train] {ckpt_dir} holds no complete checkpoint; starting fresh")
-        _remove_checkpoints(ckpt_dir)
+            return
+        _, client = self.engine.load_checkpoint(str(ckpt_dir), load_module_strict=False)
+        state.update(client["state"])
+        set_rng_state(client["rng"])
+        if changed:
+            log(f"[train] resuming with changed {', '.join(changed)}")
+        if any(k in changed for k in ("train.max_minutes", "train.max_steps", "train.epochs")):
+            refit_budget(state, self.planned_steps, self.lr_ratio(state["step"]))
+        log(f"[train] resumed from {meta.parent.name} (step {state['step']}, {state['total_steps']} steps planned)")
 
-    tracker = Tracker(cfg, "train", out / "metrics.jsonl", resume_step=state["step"])
-    log(f"[train] {kind}: {sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, "
-        f"{len(train_rows)} rows, {sum(lengths)} tokens/epoch, {steps_per_epoch} steps/epoch, {planned_steps} steps planned, "
-        f"world {world} x accumulation {G}, device {device}, {dtype}")
-    positions = tcfg.positions
-    run_start = time.time()  # this process (throughputs)
-    start = run_start - state.get("train_s", 0.0)  # the whole run: the budget counts earlier (resumed) runs too
-    side_s = [0.0]  # time spent validating and checkpointing (excluded from the training throughput)
-    tokens_seen, last_log_t, last_log_tokens = 0, time.time(), 0
-    bar = progress(total=state["total_steps"], initial=state["step"], desc=f"train {kind}", unit="step")
-    stop = False
+    def train(self) -> None:
+        """Optimizer steps until the planned steps, ``train.max_minutes`` or early stopping end the run:
+        validation every ``train.eval_every`` steps and at each epoch's end, a checkpoint every
+        ``train.checkpoint_every`` steps, then a last validation (unless one just ran) and checkpoint."""
+        cfg, tcfg, state = self.cfg, self.tcfg, self.state
+        self.tracker = Tracker(cfg, "train", self.out / "metrics.jsonl", resume_step=state["step"])
+        log(f"[train] {self.kind}: {sum(p.numel() for p in self.model.parameters() if p.requires_grad) / 1e6:.2f}M "
+            f"trainable parameters, {len(self.data.train.rows)} rows, {sum(self.data.lengths)} tokens/epoch, "
+            f"{self.data.steps_per_epoch} steps/epoch, {self.planned_steps} steps planned, "
+            f"world {self.world} x accumulation {tcfg.grad_accum}, device {self.device}, {self.dtype}")
+        self.run_start = time.time()  # this process (throughputs)
+        self.start = self.run_start - state.get("train_s", 0.0)  # the whole run: the budget counts earlier runs too
+        self.side_s = 0.0  # time spent validating and checkpointing (excluded from the training throughput)
+        self.tokens_seen, self.last_log = 0, (time.time(), 0)  # tokens of this process; (time, tokens) at the last log
+        self.bar = progress(total=state["total_steps"], initial=state["step"], desc=f"train {self.kind}", unit="step")
+        self.timed_from = (state["step"], time.time())  # the schedule is fitted to the budget from these steps' time
+        stop = False
+        while not stop and state["step"] < state["total_steps"]:
+            epoch, offset = divmod(state["step"], self.data.steps_per_epoch)
+            stream = prefetch(self.data.train, self.epoch_batches(epoch, offset), 0 if tcfg.online else tcfg.prefetch)
+            for _ in range(offset, self.data.steps_per_epoch):
+                stats = self.step(islice(stream, tcfg.grad_accum))
+                self.fit_to_budget()
+                if state["step"] % tcfg.log_every == 0 or state["step"] == state["total_steps"]:
+                    self.log_step(stats, epoch)
+                # Rank 0's clock decides, so every rank stops after the same step.
+                timed_out = bool(tcfg.max_minutes) and dist.broadcast((time.time() - self.start) / 60 >= tcfg.max_minutes)
+                if state["step"] % tcfg.eval_every == 0:
+                    self.evaluate("every")
+                if state["step"] % tcfg.checkpoint_every == 0:
+                    self.checkpoint()
+                stop = self.should_stop(timed_out)
+                if stop or state["step"] >= state["total_steps"]:
+                    break
+            stream.close()
+            if not stop and state["step"] % self.data.steps_per_epoch == 0 and state["step"] % tcfg.eval_every != 0:
+                self.evaluate("epoch")
+        self.bar.close()
+        if not state["history"] or state["history"][-1]["step"] != state["step"]:
+            self.evaluate("end")
+        self.checkpoint()
 
-    def evaluate(reason: str) -> None:
+    def epoch_batches(self, epoch: int, offset: int) -> list[list[int]]:
+        """This rank's micro-batches of steps ``offset`` .. the end of ``epoch``: rank r takes micro-batches
+        r*G .. r*G+G-1 of each step (G = ``train.grad_accum``)."""
+        n, G = self.data.steps_per_epoch, self.tcfg.grad_accum
+        order = epoch_order(self.data.lengths, self.tcfg.micro_batch_tokens, self.cfg.seed * 1000 + epoch,
+                            n * self.per_step)
+        return [order[s * self.per_step + self.rank * G + g] for s in range(offset, n) for g in range(G)]
+
+    def step(self, batches: Iterable[dict]) -> list[StepStats]:
+        """One optimizer step: forward, backward and the engine's step on each of this rank's micro-batches
+        (DeepSpeed steps the optimizer after the last of them)."""
+        stats = []
+        for batch in batches:
+            stats.append(compute(self.model, self.kind, batch, self.draft_rows, self.cfg, self.tcfg.positions,
+                                 _n_steps(self.cfg)))
+            self.engine.backward(stats[-1].loss)
+            self.engine.step()
+            self.tokens_seen += batch["tokens"]
+        self.state["step"] += 1
+        self.bar.update(1)
+        return stats
+
+    def fit_to_budget(self) -> None:
+        """Once the warmup steps are timed, shrink the schedule to ``train.max_minutes`` (:func:`fit_schedule`;
+        rank 0's time, so every rank plans the same steps)."""
+        tcfg, state = self.tcfg, self.state
+        timed = state["step"] - self.timed_from[0]
+        if tcfg.max_minutes and not state.get("fitted") and timed == max(1, tcfg.warmup_steps):
+            step_s, elapsed_s = dist.broadcast(((time.time() - self.timed_from[1]) / timed, time.time() - self.start))
+            fit_schedule(state, tcfg, step_s, elapsed_s)
+            self.bar.total = state["total_steps"]
+
+    def log_step(self, stats: list[StepStats], epoch: int) -> None:
+        """The last step's losses, accuracies and simulated tau, the learning rate and the throughput since the
+        last log (all ranks' tokens), to the tracker and the progress bar."""
+        now = time.time()
+        rate = (self.tokens_seen - self.last_log[1]) * self.world / max(now - self.last_log[0], 1e-9)
+        self.last_log = (now, self.tokens_seen)
+        n = _n_steps(self.cfg)
+        metrics = summarise([torch.cat([s.correct[k].flatten() for s in stats]) for k in range(n)],
+                            [torch.cat([s.weight[k].flatten() for s in stats]) for k in range(n)])
+        mean_losses = [sum(s.losses[k] for s in stats) / len(stats) for k in range(n)]
+        record = {"train/loss": sum(cfg_decay(self.cfg) ** k * v for k, v in enumerate(mean_losses)),
+                  **{f"train/loss_{k}": v for k, v in enumerate(mean_losses)},
+                  **{f"train/{k}": v for k, v in metrics.items()},
+                  "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": rate, "epoch": epoch}
+        self.tracker.log(record, step=self.state["step"])
+        self.bar.set_postfix(loss=f"{record['train/loss']:.3f}", acc0=f"{metrics['acc_0']:.2f}", tok_s=f"{rate:.0f}")
+
+    def evaluate(self, reason: str) -> None:
+        """Validate; rank 0's figures decide on every rank whether the head is the best so far (then saved
+        to ``<out>/head``) and count towards early stopping."""
         t0 = time.time()
-        metrics = validate(model, kind, cfg, make_val, val_rows_used, draft_rows, max(tcfg.micro_batch_tokens, 2048))
-        metrics = dist.broadcast(metrics)  # rank 0's figures decide "best" and early stopping on every rank
+        metrics = validate(self.model, self.kind, self.cfg, self.data.val, self.data.val_rows, self.draft_rows,
+                           max(self.tcfg.micro_batch_tokens, 2048))
+        metrics = dist.broadcast(metrics)
+        state = self.state
         improved = metrics["sim_tau"] > state["best"] + 1e-4
         if improved:
             state["best"], state["bad_evals"] = metrics["sim_tau"], 0
-            if dist.is_main():
-                tmp = out / "head.tmp"
-                shutil.rmtree(tmp, ignore_errors=True)
-                save_head(model, tmp)
-                (tmp / "metrics.json").write_text(json.dumps({"step": state["step"], **metrics}, indent=2))
-                shutil.rmtree(out / "head", ignore_errors=True)
-                tmp.rename(out / "head")
+            self.save_best(metrics)
         else:
             state["bad_evals"] += 1
         state["history"].append({"step": state["step"], "reason": reason, **metrics})
-        tracker.log({f"val/{k}": v for k, v in metrics.items()}, step=state["step"])
+        self.tracker.log({f"val/{k}": v for k, v in metrics.items()}, step=state["step"])
         log(f"[train] step {state['step']} validation ({reason}): sim_tau {metrics['sim_tau']:.3f}, chain_tau "
-            f"{metrics['chain_tau']:.3f}, acc " + " ".join(f"{metrics[f'acc_{k}']:.2f}" for k in range(_n_steps(cfg, validation=True)))
+            f"{metrics['chain_tau']:.3f}, acc "
+            + " ".join(f"{metrics[f'acc_{k}']:.2f}" for k in range(_n_steps(self.cfg, validation=True)))
             + (" *best*" if improved else ""))
-        side_s[0] += time.time() - t0
+        self.side_s += time.time() - t0
 
-    def checkpoint() -> None:
+    def save_best(self, metrics: dict[str, float]) -> None:
+        """Rank 0 replaces ``<out>/head`` with the current head and its validation ``metrics.json``."""
+        if dist.is_main():
+            tmp = self.out / "head.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            save_head(self.model, tmp)
+            (tmp / "metrics.json").write_text(json.dumps({"step": self.state["step"], **metrics}, indent=2))
+            shutil.rmtree(self.out / "head", ignore_errors=True)
+            tmp.rename(self.out / "head")
+
+    def checkpoint(self) -> None:
+        """Save ``step<N>`` (DeepSpeed's engine, optimizer and scheduler; ``state``, the RNG and the run's
+        training time as client state) and keep the newest ``train.keep_checkpoints``."""
         t0 = time.time()
+        state, ckpt_dir = self.state, self.ckpt_dir
         tag = f"step{state['step']:07d}"
         if dist.is_main():  # written first: `latest` only moves to this tag once DeepSpeed has saved it
             (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
-            (ckpt_dir / tag / "client.json").write_text(json.dumps({"fingerprint": fp, "step": state["step"],
-                                                                     "identity": identity}))
-        state["train_s"] = time.time() - start
-        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"state": state, "rng": rng_state()})
+            (ckpt_dir / tag / "client.json").write_text(json.dumps({"fingerprint": self.fingerprint,
+                                                                     "step": state["step"], "identity": self.identity}))
+        state["train_s"] = time.time() - self.start
+        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"state": state, "rng": rng_state()})
         if dist.is_main():
             tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step"))
-            for old in tags[: -tcfg.keep_checkpoints]:
+            for old in tags[: -self.tcfg.keep_checkpoints]:
                 shutil.rmtree(ckpt_dir / old, ignore_errors=True)
         dist.barrier()
-        side_s[0] += time.time() - t0
+        self.side_s += time.time() - t0
 
-    timed_from = (state["step"], time.time())
-    while not stop and state["step"] < state["total_steps"]:
-        epoch, offset = divmod(state["step"], steps_per_epoch)
-        order = epoch_order(lengths, tcfg.micro_batch_tokens, cfg.seed * 1000 + epoch, steps_per_epoch * per_step)
-        # This rank's micro-batches of the rest of the epoch: rank r takes r*G .. r*G+G-1 of each step.
-        mine = [order[s * per_step + rank * G + g] for s in range(offset, steps_per_epoch) for g in range(G)]
-        stream = prefetch(make_train, mine, 0 if tcfg.online else tcfg.prefetch)
-        for _ in range(offset, steps_per_epoch):
-            losses, correct, weight = [], [], []
-            for batch in islice(stream, G):
-                stats = compute(model, kind, batch, draft_rows, cfg, positions, _n_steps(cfg), tcfg.noise_std)
-                engine.backward(stats.loss)
-                engine.step()
-                tokens_seen += batch["tokens"]
-                losses.append(stats.losses)
-                correct += [c.flatten() for c in stats.correct]
-                weight += [w.flatten() for w in stats.weight]
-            state["step"] += 1
-            bar.update(1)
-            timed = state["step"] - timed_from[0]
-            if tcfg.max_minutes and not state.get("fitted") and timed == max(1, tcfg.warmup_steps):
-                step_s, elapsed_s = dist.broadcast(((time.time() - timed_from[1]) / timed, time.time() - start))
-                fit_schedule(state, tcfg, step_s, elapsed_s)
-                bar.total = state["total_steps"]
-            if state["step"] % tcfg.log_every == 0 or state["step"] == state["total_steps"]:
-                now = time.time()
-                rate = (tokens_seen - last_log_tokens) * world / max(now - last_log_t, 1e-9)
-                last_log_t, last_log_tokens = now, tokens_seen
-                n = _n_steps(cfg)
-                train_metrics = summarise([torch.cat(correct[k::n]) for k in range(n)],
-                                          [torch.cat(weight[k::n]) for k in range(n)])
-                mean_losses = [sum(x[k] for x in losses) / len(losses) for k in range(n)]
-                record = {"train/loss": sum(cfg_decay(cfg) ** k * v for k, v in enumerate(mean_losses)),
-                          **{f"train/loss_{k}": v for k, v in enumerate(mean_losses)},
-                          **{f"train/{k}": v for k, v in train_metrics.items()},
-                          "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate, "epoch": epoch}
-                tracker.log(record, step=state["step"])
-                bar.set_postfix(loss=f"{record['train/loss']:.3f}", acc0=f"{train_metrics['acc_0']:.2f}",
-                                tok_s=f"{rate:.0f}")
-            # Rank 0's clock decides, so every rank stops after the same step.
-            timed_out = bool(tcfg.max_minutes) and dist.broadcast((time.time() - start) / 60 >= tcfg.max_minutes)
-            if state["step"] % tcfg.eval_every == 0:
-                evaluate("every")
-            if state["step"] % tcfg.checkpoint_every == 0:
-                checkpoint()
-            if state["bad_evals"] >= tcfg.patience:
-                log(f"[train] early stop: no validation improvement in {tcfg.patience} evaluations")
-                stop = True
-            if timed_out:
-                log(f"[train] stopping at train.max_minutes={tcfg.max_minutes}")
-                stop = True
-            if stop or state["step"] >= state["total_steps"]:
-                break
-        stream.close()
-        if not stop and state["step"] % steps_per_epoch == 0 and state["step"] % tcfg.eval_every != 0:
-            evaluate("epoch")
-    bar.close()
-    if not state["history"] or state["history"][-1]["step"] != state["step"]:
-        evaluate("end")
-    checkpoint()
-    elapsed, own = time.time() - start, time.time() - run_start  # the whole run's / this process's time
-    best = json.loads((out / "head" / "metrics.json").read_text())
-    steps_per_rank = dist.all_gather_objects(state["step"])
-    if len(set(steps_per_rank)) != 1:
-        raise RuntimeError(f"ranks ran different step counts {steps_per_rank}: a rank-local decision (bug)")
-    summary = {"steps": state["step"], "steps_per_rank": steps_per_rank, "best": best, "wall_s": round(elapsed, 1),
-               "tokens_per_s": round(tokens_seen * world / max(own, 1e-9), 1),
-               "train_tokens_per_s": round(tokens_seen * world / max(own - side_s[0], 1e-9), 1),
-               "validation_checkpoint_s": round(side_s[0], 1),
-               "peak_rss_gib": round(_peak_rss() / 2**30, 2), "history": state["history"],
-               "config": OmegaConf.to_container(cfg.train, resolve=True)}
-    if dist.is_main():
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    tracker.summary({f"best/{k}": v for k, v in best.items() if isinstance(v, (int, float))})
-    log(f"[train] done: {state['step']} steps in {elapsed / 60:.1f} min, {summary['tokens_per_s']} tok/s; "
-        f"best validation sim_tau {best['sim_tau']:.3f} (step {best['step']}) -> {out / 'head'}")
-    return {"head": str(out / "head"), "best": best, "steps": state["step"], "tokens_per_s": summary["tokens_per_s"]}
+    def should_stop(self, timed_out: bool) -> bool:
+        """Early stopping (``train.patience`` validations without improvement) or the time budget spent."""
+        stop = False
+        if self.state["bad_evals"] >= self.tcfg.patience:
+            log(f"[train] early stop: no validation improvement in {self.tcfg.patience} evaluations")
+            stop = True
+        if timed_out:
+            log(f"[train] stopping at train.max_minutes={self.tcfg.max_minutes}")
+            stop = True
+        return stop
+
+    def finish(self) -> dict:
+        """Check that every rank ran the same steps, write ``summary.json`` and return the best head's figures."""
+        state, out = self.state, self.out
+        elapsed, own = time.time() - self.start, time.time() - self.run_start  # the whole run's / this process's
+        best = json.loads((out / "head" / "metrics.json").read_text())
+        steps_per_rank = dist.all_gather_objects(state["step"])
+        if len(set(steps_per_rank)) != 1:
+            raise RuntimeError(f"ranks ran different step counts {steps_per_rank}: a rank-local decision (bug)")
+        tokens = self.tokens_seen * self.world
+        summary = {"steps": state["step"], "steps_per_rank": steps_per_rank, "best": best, "wall_s": round(elapsed, 1),
+                   "tokens_per_s": round(tokens / max(own, 1e-9), 1),
+                   "train_tokens_per_s": round(tokens / max(own - self.side_s, 1e-9), 1),
+                   "validation_checkpoint_s": round(self.side_s, 1),
+                   "peak_rss_gib": round(peak_rss_gib(), 2), "history": state["history"],
+                   "config": OmegaConf.to_container(self.cfg.train, resolve=True)}
+        if dist.is_main():
+            (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.tracker.summary({f"best/{k}": v for k, v in best.items() if isinstance(v, (int, float))})
+        log(f"[train] done: {state['step']} steps in {elapsed / 60:.1f} min, {summary['tokens_per_s']} tok/s; "
+            f"best validation sim_tau {best['sim_tau']:.3f} (step {best['step']}) -> {out / 'head'}")
+        return {"head": str(out / "head"), "best": best, "steps": state["step"], "tokens_per_s": summary["tokens_per_s"]}
 
 
 class CheckpointMismatchError(UserError):
@@ -541,8 +649,3 @@ def _n_steps(cfg: DictConfig, validation: bool = False) -> int:
 def cfg_decay(cfg: DictConfig) -> float:
     return cfg.head.ttt_decay if cfg.head.type == "eagle3" else cfg.head.decay
 
-
-def _peak_rss() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

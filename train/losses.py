@@ -6,6 +6,11 @@ Row t of step k predicts token x[t+2+k] and its target distribution is the targe
 t+1+k, restricted (and renormalised) to the draft vocabulary. A position counts only when
 the target's full-vocabulary argmax there is in the draft vocabulary, and, with
 ``positions="assistant"``, when the predicted token is an assistant token.
+
+What the draft distribution q is fitted to the target's p with (``head.loss``, :func:`objective`): the
+acceptance probability of a drafted token is alpha = sum_v min(p_v, q_v) = 1 - TV(p, q), so ``tv`` and the
+LK losses (Samarin et al., arXiv 2602.23881) aim at acceptance itself, where ``kl`` is a proxy with the
+same optimum that a small draft does not reach.
 """
 
 from __future__ import annotations
@@ -76,11 +81,57 @@ def soft_ce(log_q: torch.Tensor, log_p: torch.Tensor, w: torch.Tensor) -> torch.
     return (ce * w).sum() / w.sum().clamp(min=1.0)
 
 
+OBJECTIVES = ("kl", "tv", "lk_alpha", "lk_lambda")  # head.loss of both heads (Medusa also has ce)
+LK_ETA = 3.0  # LK-lambda's decay: the paper's best, the default of SpecForge, speculators and ModelOpt
+
+
+def objective(kind: str, log_q: torch.Tensor, log_p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Position-weighted mean (weights ``w`` [B, T]) of the draft's loss against the target, from log q and
+    log p [B, T, V] over the draft vocabulary; alpha = sum_v min(p_v, q_v) is the acceptance probability.
+
+    - ``kl``: soft cross-entropy -sum_v p_v log q_v (KL(p||q) plus the target's entropy: the same gradient).
+    - ``tv``: 1 - alpha, the total variation: maximises acceptance directly; its gradient vanishes while
+      the two distributions barely overlap.
+    - ``lk_alpha``: -log alpha (LK-alpha): the same optimum as ``tv``, gradient scaled by 1 / alpha.
+    - ``lk_lambda``: lam * KL(p||q) + (1 - lam) * (1 - alpha), lam = exp(-LK_ETA * mean alpha), the mean
+      over this call's positions and not differentiated (LK-lambda): KL while the draft is far, TV near.
+    """
+    if kind == "kl":
+        return soft_ce(log_q, log_p, w)
+    if kind not in OBJECTIVES:
+        raise ValueError(f"head.loss must be one of {OBJECTIVES} (Medusa: or ce), got {kind!r}")
+    p = log_p.exp()
+    alpha = torch.minimum(p, log_q.exp()).sum(-1)
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return (x * w).sum() / w.sum().clamp(min=1.0)
+
+    if kind == "tv":
+        return mean(1 - alpha)
+    if kind == "lk_alpha":
+        return mean(-alpha.clamp(min=1e-6).log())
+    lam = torch.exp(-LK_ETA * mean(alpha).detach())
+    return lam * mean((p * (log_p - log_q)).sum(-1)) + (1 - lam) * mean(1 - alpha)
+
+
+def with_tap_noise(taps: torch.Tensor, std: float, n_taps: int) -> torch.Tensor:
+    """``taps`` [..., n_taps * H] plus Gaussian noise whose std is ``std`` times each tap's RMS at that
+    position: a relative scale, the same for every layer and target (residual streams differ in scale by
+    orders of magnitude across layers, targets and tokens)."""
+    x = taps.unflatten(-1, (n_taps, -1))
+    rms = x.float().pow(2).mean(-1, keepdim=True).sqrt().to(x.dtype)
+    return (x + std * rms * torch.randn_like(x)).flatten(-2)
+
+
 def eagle3_loss(head: Eagle3Head, taps: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor,
-                loss_mask: torch.Tensor, view: TargetView, steps: int, decay: float, positions: str) -> StepStats:
+                loss_mask: torch.Tensor, view: TargetView, steps: int, decay: float, positions: str,
+                loss: str = "kl", tap_noise: float = 0.0) -> StepStats:
     """Training-time test: ``steps`` unrolled draft steps, each fed its own previous feature and the
-    ground-truth next token; attention across steps as in :class:`heads.eagle3.TTTCache`."""
+    ground-truth next token; attention across steps as in :class:`heads.eagle3.TTTCache`. ``loss``: see
+    :func:`objective`; ``tap_noise``: :func:`with_tap_noise` on the taps while the head is training."""
     B, T = input_ids.shape
+    if tap_noise and head.training:
+        taps = with_tap_noise(taps, tap_noise, len(head.config.aux_layers))
     hidden = head.project(taps)
     cache = TTTCache()
     pos = torch.arange(T, device=input_ids.device)[None].expand(B, T)
@@ -89,7 +140,7 @@ def eagle3_loss(head: Eagle3Head, taps: torch.Tensor, input_ids: torch.Tensor, l
         hidden = head(hidden, shift(input_ids, 1 + k), pos + k, cache)
         log_q = torch.log_softmax(head.logits(hidden).float(), -1)
         w = weights(view, lengths, loss_mask, k, positions)
-        loss_k = soft_ce(log_q, shift(view.log_p, 1 + k), w)
+        loss_k = objective(loss, log_q, shift(view.log_p, 1 + k), w)
         total = total + decay**k * loss_k
         losses.append(loss_k.item())
         correct.append(log_q.argmax(-1) == shift(view.argmax, 1 + k))
@@ -99,18 +150,19 @@ def eagle3_loss(head: Eagle3Head, taps: torch.Tensor, input_ids: torch.Tensor, l
 
 def medusa_loss(head: MedusaHead, last: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor,
                 loss_mask: torch.Tensor, view: TargetView, decay: float, positions: str, kind: str) -> StepStats:
-    """Head k against the target's distribution (``kl``) or the data token (``ce``) at t+2+k."""
+    """Head k against the data token at t+2+k (``ce``) or the target's distribution there (any other
+    ``kind``: :func:`objective`)."""
     t2d, draft_ids = head.t2d, head.draft_ids()
     total, losses, correct, ws = 0.0, [], [], []
     for k, log_q in enumerate(torch.log_softmax(head(last).float(), -1)):
         w = weights(view, lengths, loss_mask, k, positions)
-        if kind == "kl":
-            loss_k = soft_ce(log_q, shift(view.log_p, 1 + k), w)
-        else:
+        if kind == "ce":
             token = shift(input_ids, 2 + k)
             w = w * t2d[token].float()
             draft = torch.searchsorted(draft_ids, token).clamp(max=draft_ids.numel() - 1)
             loss_k = (F.nll_loss(log_q.transpose(1, 2), draft, reduction="none") * w).sum() / w.sum().clamp(min=1.0)
+        else:
+            loss_k = objective(kind, log_q, shift(view.log_p, 1 + k), w)
         total = total + decay**k * loss_k
         losses.append(loss_k.item())
         correct.append(log_q.argmax(-1) == shift(view.argmax, 1 + k))

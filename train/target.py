@@ -272,6 +272,47 @@ def load_weights(cfg: DictConfig, dtype: torch.dtype = torch.float32,
     return TargetWeights(config, **{field_: read[key(name)] for field_, name in wanted.items()})
 
 
+def load_layer_weights(cfg: DictConfig, layer: int, dtype: torch.dtype = torch.float32,
+                       device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of the target's decoder layer ``layer`` (negative: counted from the last), read from its
+    safetensors files like :func:`load_weights` (no other layer is read), keyed by their names inside the
+    layer: ``self_attn.q_proj.weight``, ``input_layernorm.weight``, ``mlp.down_proj.weight``, ..."""
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    config = load_config(cfg)
+    with torch.device("meta"):  # parameter names of this architecture, no memory
+        skeleton = AutoModelForCausalLM.from_config(config)
+    layers = skeleton.get_decoder().layers
+    if not -len(layers) <= layer < len(layers):
+        raise ValueError(f"head.layer_init={layer}: the target has {len(layers)} decoder layers "
+                         f"(valid: {-len(layers)} .. {len(layers) - 1})")
+    module = layers[layer]
+    prefix = next(name for name, m in skeleton.named_modules() if m is module) + "."
+    names = [prefix + name for name, _ in module.named_parameters()]
+    path, kw = target_path(cfg), dict(revision=cfg.model.revision, local_files_only=_offline())
+    index = cached_file(path, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False, **kw)
+    if index:
+        where = json.loads(Path(index).read_text())["weight_map"]
+    else:
+        with safe_open(cached_file(path, "model.safetensors", **kw), framework="pt") as f:
+            where = dict.fromkeys(f.keys(), "model.safetensors")
+
+    def key(name: str) -> str:  # the model's name, or the one checkpoint name ending like it (another prefix)
+        tail = "." + name.split(".", 1)[1]
+        found = [name] if name in where else [k for k in where if k.endswith(tail)]
+        if len(found) != 1:
+            raise KeyError(f"tensor {name!r} of layer {layer} not found (once) in the checkpoint of {path!r}: {found[:5]}")
+        return found[0]
+
+    out = {}
+    for name in names:
+        stored = key(name)
+        with safe_open(cached_file(path, where[stored], **kw), framework="pt") as f:
+            out[name[len(prefix):]] = f.get_tensor(stored).to(device, dtype)
+    return out
+
+
 def tokenizer_fingerprint(tok) -> str:
     h = hashlib.sha256(json.dumps(tok.get_vocab(), sort_keys=True).encode())
     h.update(str(tok.chat_template).encode())

@@ -1,0 +1,203 @@
+"""Training levers aimed at acceptance (issue "heads that beat n-gram"): the draft layer started from a
+target layer (``head.layer_init``), the acceptance objectives (``head.loss``: TV, LK-alpha, LK-lambda),
+relative tap noise (``head.tap_noise``) and the lever table of scripts/bench_levers.py."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from heads import Eagle3Config, Eagle3Head, MedusaConfig, MedusaHead
+from heads.eagle3 import TTTCache
+from tests.conftest import make_cfg
+from tests.test_heads import HEAD_CFG, tiny_batch, tiny_eagle3, tiny_view
+from train.extract import capture
+from train.losses import OBJECTIVES, eagle3_loss, medusa_loss, objective, shift, weights, with_tap_noise
+from train.target import load_layer_weights, load_target
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# --- head.layer_init
+
+
+@pytest.mark.parametrize(("model", "not_copied"), [
+    ("tiny-llama", []),
+    ("tiny-qwen2", ["self_attn.k_proj.bias", "self_attn.q_proj.bias", "self_attn.v_proj.bias"]),
+    ("tiny-qwen3", ["self_attn.k_norm.weight", "self_attn.q_norm.weight"]),
+])
+def test_layer_init_reads_one_target_layer_into_the_draft_layer(model, not_copied):
+    """The layer's tensors as the model holds them (GQA, biases, q/k norms, explicit head_dim); q/k/v on
+    the hidden-state half, zeros on the embedding half; the norms mapped; what the head lacks reported."""
+    cfg = make_cfg([f"model={model}"])
+    target = load_target(cfg)
+    n = target.config.num_hidden_layers
+    layer = load_layer_weights(cfg, -3)
+    assert layer.keys() == target.model.layers[n - 3].state_dict().keys()
+    assert all(torch.equal(v, target.model.layers[n - 3].state_dict()[k]) for k, v in layer.items())
+    head = tiny_eagle3(target)
+    H = target.config.hidden_size
+    assert head.init_layer_from_target(layer) == not_copied
+    mid = head.midlayer
+    for p in "qkv":
+        weight = getattr(mid.self_attn, f"{p}_proj").weight
+        assert torch.equal(weight[:, H:], layer[f"self_attn.{p}_proj.weight"])
+        assert torch.count_nonzero(weight[:, :H]) == 0
+    assert torch.equal(mid.self_attn.o_proj.weight, layer["self_attn.o_proj.weight"])
+    assert all(torch.equal(getattr(mid.mlp, f"{p}_proj").weight, layer[f"mlp.{p}_proj.weight"]) for p in ("gate", "up", "down"))
+    assert torch.equal(mid.hidden_norm.weight, layer["input_layernorm.weight"])
+    assert torch.equal(mid.post_attention_layernorm.weight, layer["post_attention_layernorm.weight"])
+    assert torch.equal(mid.input_layernorm.weight, torch.ones(H))  # the token path's own
+
+
+def test_layer_init_with_last_tap_fc_starts_as_the_target_layer():
+    """fc_init=last_tap + layer_init = the layer the last tap enters: the first draft step outputs the
+    target's next residual state, whatever the token (plain RoPE: Llama without rope scaling)."""
+    cfg = make_cfg(["model=tiny-llama", "model.rope_scaling=null"])
+    target = load_target(cfg)
+    head = tiny_eagle3(target).double()
+    last = head.config.aux_layers[-1]
+    assert head.init_layer_from_target(load_layer_weights(cfg, last, torch.float64)) == []
+    head.init_fc_last_tap()
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        states = capture(target.double(), ids, [*head.config.aux_layers, last + 1])
+        out = head(head.project(states[:, :, :3].flatten(2)), torch.randint(0, 256, (2, 12)),
+                   torch.arange(12)[None].expand(2, 12), TTTCache())
+    torch.testing.assert_close(out, states[:, :, 3], rtol=1e-9, atol=1e-9)
+
+
+def test_layer_init_refuses_what_does_not_fit():
+    cfg = make_cfg(["model=tiny-llama"])
+    target = load_target(cfg)
+    with pytest.raises(ValueError, match="head.layer_init=8: the target has 8 decoder layers"):
+        load_layer_weights(cfg, 8)
+    narrow = OmegaConf.merge(HEAD_CFG, {"intermediate_size": 32})
+    head = Eagle3Head(Eagle3Config.from_target(target.config, narrow, 48))
+    with pytest.raises(ValueError, match=r"mlp.gate_proj.weight \(128, 64\) vs \(32, 64\)"):
+        head.init_layer_from_target(load_layer_weights(cfg, 0))
+
+
+# --- head.loss
+
+
+def test_objectives_are_total_variation_and_the_lk_losses():
+    torch.manual_seed(0)
+    logits = (2 * torch.randn(1, 5, 11, dtype=torch.float64)).requires_grad_()  # the draft's, 5 positions
+    log_q, log_p = torch.log_softmax(logits, -1), torch.log_softmax(2 * torch.randn(1, 5, 11, dtype=torch.float64), -1)
+    p, q, w = log_p.exp(), log_q.exp(), torch.ones(1, 5, dtype=torch.float64)
+    alpha = torch.minimum(p, q).sum(-1)
+    torch.testing.assert_close((q * (p / q).clamp(max=1)).sum(-1), alpha)  # E_{x~q} min(1, p/q): acceptance
+    tv = 0.5 * (p - q).abs().sum(-1)
+    torch.testing.assert_close(objective("tv", log_q, log_p, w), tv.mean())
+    torch.testing.assert_close(1 - alpha, tv)
+    torch.testing.assert_close(objective("kl", log_q, log_p, w), -(p * log_q).sum(-1).mean())
+    torch.testing.assert_close(objective("lk_alpha", log_q, log_p, w), -alpha.log().mean())
+    lam = math.exp(-3.0 * alpha.mean().item())  # a constant: alpha in the blend weight is not differentiated
+    reference = lam * (p * (log_p - log_q)).sum(-1).mean() + (1 - lam) * tv.mean()
+    lk = objective("lk_lambda", log_q, log_p, w)
+    torch.testing.assert_close(lk, reference)
+    torch.testing.assert_close(*(torch.autograd.grad(x, logits, retain_graph=True)[0] for x in (lk, reference)))
+    # LK-alpha's gradient is TV's scaled by 1 / alpha (one position: its weight alone)
+    one = torch.tensor([[1.0, 0, 0, 0, 0]], dtype=torch.float64)
+    g_alpha = torch.autograd.grad(objective("lk_alpha", log_q, log_p, one), logits, retain_graph=True)[0]
+    g_tv = torch.autograd.grad(objective("tv", log_q, log_p, one), logits, retain_graph=True)[0]
+    torch.testing.assert_close(g_alpha, g_tv / alpha[0, 0])
+    # the draft equal to the target: acceptance 1, nothing left to learn
+    for kind in ("tv", "lk_alpha", "lk_lambda"):
+        assert abs(objective(kind, log_p, log_p, w).item()) < 1e-12
+    with pytest.raises(ValueError, match="head.loss must be one of"):
+        objective("rkl", log_q, log_p, w)
+
+
+def acceptance(head, taps, ids, view, lengths, mask) -> float:
+    """Mean acceptance probability sum_v min(p_v, q_v) of the first draft step over its weighted positions."""
+    with torch.no_grad():
+        log_q = torch.log_softmax(head.logits(head(head.project(taps), shift(ids, 1),
+                                                   torch.arange(ids.shape[1])[None], TTTCache())), -1)
+    w = weights(view, lengths, mask, 0, "all")
+    alpha = torch.minimum(log_q.exp(), shift(view.log_p, 1).exp()).sum(-1)
+    return ((alpha * w).sum() / w.sum()).item()
+
+
+@pytest.mark.parametrize("kind", OBJECTIVES)
+def test_every_objective_raises_acceptance(tiny_llama_cfg, kind):
+    target = load_target(tiny_llama_cfg)
+    head = tiny_eagle3(target, dv=target.config.vocab_size)
+    ids, states, lengths, mask = tiny_batch(target, [*head.config.aux_layers, target.config.num_hidden_layers])
+    view, taps = tiny_view(target, head, states), states[:, :, :-1].flatten(2)
+    before = acceptance(head, taps, ids, view, lengths, mask)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(25):
+        stats = eagle3_loss(head, taps, ids, lengths, mask, view, 2, 0.8, "all", kind)
+        opt.zero_grad()
+        stats.loss.backward()
+        opt.step()
+    assert acceptance(head, taps, ids, view, lengths, mask) > before + 0.1
+
+
+def test_medusa_takes_the_acceptance_objectives(tiny_llama_cfg):
+    target = load_target(tiny_llama_cfg)
+    V = target.config.vocab_size
+    head = MedusaHead(MedusaConfig.from_target(target.config, HEAD_CFG, V))
+    head.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
+    ids, states, lengths, mask = tiny_batch(target, [target.config.num_hidden_layers])
+    view = tiny_view(target, head, states)
+    for kind in OBJECTIVES:
+        stats = medusa_loss(head, states[:, :, -1], ids, lengths, mask, view, 0.8, "all", kind)
+        stats.loss.backward()
+        assert stats.loss.isfinite() and head.blocks[0].layers[0].weight.grad.abs().sum() > 0
+
+
+# --- head.tap_noise
+
+
+def test_tap_noise_is_relative_to_each_taps_rms():
+    torch.manual_seed(0)
+    scale = torch.tensor([0.1, 1.0, 100.0]).repeat_interleave(256)  # three taps of very different scale
+    taps = torch.randn(64, 32, 3 * 256) * scale
+    noise = (with_tap_noise(taps, 0.05, 3) - taps).unflatten(-1, (3, 256))
+    rms = taps.unflatten(-1, (3, 256)).pow(2).mean(-1, keepdim=True).sqrt()
+    ratio = (noise / rms).std(dim=(0, 1, 3))
+    torch.testing.assert_close(ratio, torch.full((3,), 0.05), rtol=0.02, atol=0)
+
+
+def test_tap_noise_only_while_training(tiny_llama_cfg):
+    target = load_target(tiny_llama_cfg)
+    head = tiny_eagle3(target, dv=target.config.vocab_size)
+    ids, states, lengths, mask = tiny_batch(target, [*head.config.aux_layers, target.config.num_hidden_layers])
+    view, taps = tiny_view(target, head, states), states[:, :, :-1].flatten(2)
+
+    def loss(noise: float) -> float:
+        with torch.no_grad():
+            return eagle3_loss(head, taps, ids, lengths, mask, view, 1, 0.8, "all", "kl", noise).loss.item()
+
+    rng = torch.get_rng_state()
+    clean = loss(0.0)
+    assert torch.equal(torch.get_rng_state(), rng)  # no noise drawn when off: runs stay reproducible
+    assert loss(0.1) != clean
+    head.eval()
+    assert loss(0.1) == clean
+
+
+# --- scripts/bench_levers.py: one row per lever
+
+
+@pytest.mark.parametrize("head", ["eagle3", "medusa"])
+def test_every_lever_row_composes_and_changes_its_key(head):
+    """Every default row of the lever table is a valid override (no typo'd key) that changes the config."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    variants = importlib.import_module("bench_levers").VARIANTS[head]
+    base = make_cfg(["model=tiny-llama", f"head={head}"])
+    assert variants[0] == "default:"
+    for spec in variants[1:]:
+        overrides = spec.partition(":")[2].split(",")
+        cfg = make_cfg(["model=tiny-llama", f"head={head}", *overrides])
+        for key in (o.split("=")[0] for o in overrides):
+            assert OmegaConf.select(cfg, key) != OmegaConf.select(base, key), spec
