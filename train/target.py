@@ -228,48 +228,72 @@ def load_target(cfg: DictConfig, device: torch.device | None = None, dtype: torc
     return model
 
 
+class _Checkpoint:
+    """Named tensors of the target's safetensors files, read one at a time (no model is built): the
+    architecture's parameter names come from a meta-device skeleton."""
+
+    def __init__(self, cfg: DictConfig):
+        from safetensors import safe_open
+        from transformers.utils import cached_file
+
+        self.config = load_config(cfg)
+        with torch.device("meta"):  # parameter names of this architecture, no memory
+            self.skeleton = AutoModelForCausalLM.from_config(self.config)
+        self.path, self.kw = target_path(cfg), dict(revision=cfg.model.revision, local_files_only=_offline())
+        index = cached_file(self.path, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False,
+                            **self.kw)
+        if index:
+            self.where = json.loads(Path(index).read_text())["weight_map"]
+            return
+        single = cached_file(self.path, "model.safetensors", _raise_exceptions_for_missing_entries=False, **self.kw)
+        if not single:
+            raise FileNotFoundError(f"target {self.path!r} has no safetensors weights (model.safetensors[.index.json]); "
+                                    "convert it with `save_pretrained(..., safe_serialization=True)`")
+        with safe_open(single, framework="pt") as f:
+            self.where = dict.fromkeys(f.keys(), "model.safetensors")
+
+    def name(self, module: torch.nn.Module) -> str:
+        """The skeleton's name of ``module``."""
+        return next(n for n, m in self.skeleton.named_modules() if m is module)
+
+    def key(self, name: str) -> str:
+        """The stored name of the model's tensor ``name``: itself, or the one stored name ending like it (a
+        checkpoint saved under another prefix)."""
+        if name in self.where:
+            return name
+        found = [k for k in self.where if k.endswith("." + name)]  # under a longer prefix
+        if not found and name.count(".") >= 2:  # or under another first component
+            found = [k for k in self.where if k.endswith("." + name.split(".", 1)[1])]
+        if len(found) != 1:
+            raise KeyError(f"tensor {name!r} not found (once) in the checkpoint of {self.path!r}: {found[:5]}")
+        return found[0]
+
+    def read(self, names: list[str], dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
+        """Stored name -> tensor for the model's tensors ``names`` (each stored tensor read once)."""
+        from safetensors import safe_open
+        from transformers.utils import cached_file
+
+        out: dict[str, torch.Tensor] = {}
+        for stored in map(self.key, names):
+            if stored not in out:
+                with safe_open(cached_file(self.path, self.where[stored], **self.kw), framework="pt") as f:
+                    out[stored] = f.get_tensor(stored).to(device, dtype)
+        return out
+
+
 def load_weights(cfg: DictConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> TargetWeights:
     """The target's embedding, lm_head and final norm, read from its safetensors files: the decoder
     layers are never loaded (train and export need only these; an 8B target stays on disk)."""
-    from safetensors import safe_open
-    from transformers.utils import cached_file
-
-    config = load_config(cfg)
-    with torch.device("meta"):  # parameter names of this architecture, no memory
-        skeleton = AutoModelForCausalLM.from_config(config)
-    modules = {id(m): name for name, m in skeleton.named_modules()}
-    wanted = {"embed": modules[id(skeleton.get_input_embeddings())] + ".weight",
-              "lm_head": modules[id(skeleton.get_output_embeddings())] + ".weight",
-              "norm": modules[id(skeleton.get_decoder().norm)] + ".weight"}
-    path, kw = target_path(cfg), dict(revision=cfg.model.revision, local_files_only=_offline())
-    index = cached_file(path, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False, **kw)
-    if index:
-        where = json.loads(Path(index).read_text())["weight_map"]
-    else:
-        single = cached_file(path, "model.safetensors", _raise_exceptions_for_missing_entries=False, **kw)
-        if not single:
-            raise FileNotFoundError(f"target {path!r} has no safetensors weights (model.safetensors[.index.json]); "
-                                    "convert it with `save_pretrained(..., safe_serialization=True)`")
-        with safe_open(single, framework="pt") as f:
-            where = dict.fromkeys(f.keys(), "model.safetensors")
-
-    def key(name: str) -> str:
-        if name in where:
-            return name
-        suffix = [k for k in where if k.endswith("." + ".".join(name.split(".")[-2:]))]
-        if len(suffix) == 1:  # e.g. a checkpoint saved under another prefix
-            return suffix[0]
-        raise KeyError(f"tensor {name!r} not found in the checkpoint of {path!r} (candidates: {suffix[:5]})")
-
-    if wanted["lm_head"] not in where and getattr(config, "tie_word_embeddings", False):
-        wanted["lm_head"] = wanted["embed"]  # tied: the checkpoint stores the embedding once
-    read: dict[str, torch.Tensor] = {}  # by checkpoint name: tied embeddings are read once, shared as in the model
-    for name in map(key, wanted.values()):
-        if name not in read:
-            with safe_open(cached_file(path, where[name], **kw), framework="pt") as f:
-                read[name] = f.get_tensor(name).to(device, dtype)
-    return TargetWeights(config, **{field_: read[key(name)] for field_, name in wanted.items()})
+    ckpt = _Checkpoint(cfg)
+    model = ckpt.skeleton
+    wanted = {"embed": ckpt.name(model.get_input_embeddings()) + ".weight",
+              "lm_head": ckpt.name(model.get_output_embeddings()) + ".weight",
+              "norm": ckpt.name(model.get_decoder().norm) + ".weight"}
+    if wanted["lm_head"] not in ckpt.where and getattr(ckpt.config, "tie_word_embeddings", False):
+        wanted["lm_head"] = wanted["embed"]  # tied: the checkpoint stores the embedding once (read once, shared)
+    read = ckpt.read(list(wanted.values()), dtype, device)
+    return TargetWeights(ckpt.config, **{field_: read[ckpt.key(name)] for field_, name in wanted.items()})
 
 
 def load_layer_weights(cfg: DictConfig, layer: int, dtype: torch.dtype = torch.float32,
@@ -277,40 +301,15 @@ def load_layer_weights(cfg: DictConfig, layer: int, dtype: torch.dtype = torch.f
     """The tensors of the target's decoder layer ``layer`` (negative: counted from the last), read from its
     safetensors files like :func:`load_weights` (no other layer is read), keyed by their names inside the
     layer: ``self_attn.q_proj.weight``, ``input_layernorm.weight``, ``mlp.down_proj.weight``, ..."""
-    from safetensors import safe_open
-    from transformers.utils import cached_file
-
-    config = load_config(cfg)
-    with torch.device("meta"):  # parameter names of this architecture, no memory
-        skeleton = AutoModelForCausalLM.from_config(config)
-    layers = skeleton.get_decoder().layers
+    ckpt = _Checkpoint(cfg)
+    layers = ckpt.skeleton.get_decoder().layers
     if not -len(layers) <= layer < len(layers):
         raise ValueError(f"head.layer_init={layer}: the target has {len(layers)} decoder layers "
                          f"(valid: {-len(layers)} .. {len(layers) - 1})")
-    module = layers[layer]
-    prefix = next(name for name, m in skeleton.named_modules() if m is module) + "."
-    names = [prefix + name for name, _ in module.named_parameters()]
-    path, kw = target_path(cfg), dict(revision=cfg.model.revision, local_files_only=_offline())
-    index = cached_file(path, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False, **kw)
-    if index:
-        where = json.loads(Path(index).read_text())["weight_map"]
-    else:
-        with safe_open(cached_file(path, "model.safetensors", **kw), framework="pt") as f:
-            where = dict.fromkeys(f.keys(), "model.safetensors")
-
-    def key(name: str) -> str:  # the model's name, or the one checkpoint name ending like it (another prefix)
-        tail = "." + name.split(".", 1)[1]
-        found = [name] if name in where else [k for k in where if k.endswith(tail)]
-        if len(found) != 1:
-            raise KeyError(f"tensor {name!r} of layer {layer} not found (once) in the checkpoint of {path!r}: {found[:5]}")
-        return found[0]
-
-    out = {}
-    for name in names:
-        stored = key(name)
-        with safe_open(cached_file(path, where[stored], **kw), framework="pt") as f:
-            out[name[len(prefix):]] = f.get_tensor(stored).to(device, dtype)
-    return out
+    prefix = ckpt.name(layers[layer]) + "."
+    names = [prefix + name for name, _ in layers[layer].named_parameters()]
+    read = ckpt.read(names, dtype, device)
+    return {name[len(prefix):]: read[ckpt.key(name)] for name in names}
 
 
 def tokenizer_fingerprint(tok) -> str:
