@@ -17,19 +17,11 @@ import train.stages as stages
 from eval.prompts import calibration_prompts, load_prompts
 from eval.shared import Baselines, JsonCache, baseline_settings, machine, record_key, target_identity
 from eval.stage import Fp32Scorer, turn_prompt
-from tests.test_eval import fake_train
+from tests.test_eval import fake_train, one_thread  # noqa: F401  (autouse fixture: one torch thread)
 from train.target import load_target, load_tokenizer
 
 EVAL = ["model=tiny-llama", "stages=[train,eval]", "eval.datasets=[builtin]", "eval.limit=2", "eval.warmup=1",
         "eval.max_new_tokens=8", "eval.tree.sizes=[1,2,4]", "eval.tree.context=32", "eval.tree.calibration_prompts=1"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
