@@ -41,7 +41,7 @@ def main() -> None:
     args, overrides = parser.parse_known_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from data.stage import load_dataset, row_lengths
-    from train.extract import batches, plan_shards
+    from train.extract import batches, padded, plan_shards
     from train.stages import run_stages, stage_dir
     from train.target import load_target
 
@@ -62,12 +62,7 @@ def main() -> None:
         for shard in plan_shards(lengths, n_layers * hidden * 2, cfg.extract.shard_mb):
             split = shard["split"]
             for batch in batches(shard["rows"], lengths[split], cfg.extract.batch_tokens):
-                width = max(lengths[split][r] for r in batch)
-                ids = torch.zeros(len(batch), width, dtype=torch.long)
-                mask = torch.zeros(len(batch), width, dtype=torch.long)
-                for j, r in enumerate(batch):
-                    row = torch.as_tensor(ds[split][r]["input_ids"])
-                    ids[j, : len(row)], mask[j, : len(row)] = row, 1
+                ids, mask = padded([ds[split][r]["input_ids"] for r in batch], 0)
                 t0 = time.time()
                 with torch.inference_mode():
                     model.get_decoder()(input_ids=ids, attention_mask=mask)

@@ -115,6 +115,17 @@ def batches(rows: list[int], lengths: list[int], batch_tokens: int) -> list[list
     return out + ([cur] if cur else [])
 
 
+def padded(rows: list, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) [len(rows), longest]: the token rows right-padded with ``pad_id``."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for j, row in enumerate(rows):
+        ids[j, : len(row)] = torch.as_tensor(row)
+        mask[j, : len(row)] = 1
+    return ids, mask
+
+
 def _complete(path: Path, fp: str) -> bool:
     """A shard from this very configuration (an older one, from other settings, is redone)."""
     if not path.exists():
@@ -199,13 +210,7 @@ def run(cfg: DictConfig) -> dict:
         pieces = {r: ready.get(split, r) for r in shard["rows"] if r in ready.rows[split]}
         bar.update(sum(lengths[split][r] for r in pieces))
         for batch in batches([r for r in shard["rows"] if r not in pieces], lengths[split], cfg.extract.batch_tokens):
-            width = max(lengths[split][r] for r in batch)
-            ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)
-            mask = torch.zeros(len(batch), width, dtype=torch.long)
-            for j, r in enumerate(batch):
-                row = torch.as_tensor(ds[split][r]["input_ids"])
-                ids[j, : len(row)] = row
-                mask[j, : len(row)] = 1
+            ids, mask = padded([ds[split][r]["input_ids"] for r in batch], tokenizer.pad_token_id)
             t0 = time.time()
             states = capture(model, ids.to(device), layers, mask.to(device))
             argmax = full_argmax(states[:, :, -1], lm_head).to("cpu", torch.int32)

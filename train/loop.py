@@ -34,7 +34,7 @@ from heads.frozen import TargetWeights
 from heads.io import build_head, head_config, save_head
 from train import dist
 from train.errors import ConfigError, UserError
-from train.extract import Captures, capture, capture_layers
+from train.extract import Captures, batches, capture, capture_layers
 from train.log import log, peak_rss_gib, progress
 from train.losses import StepStats, eagle3_loss, full_argmax, medusa_loss, target_view
 from train.plan import check_train_memory
@@ -54,15 +54,7 @@ def micro_batches(lengths: list[int], max_tokens: int, seed: int, shuffle: bool 
         rng.shuffle(rows)
     out = []
     for a in range(0, len(rows), 256):  # sort inside windows: little padding, still random
-        chunk = sorted(rows[a: a + 256], key=lambda r: lengths[r])
-        cur = []
-        for r in chunk:
-            if cur and (len(cur) + 1) * lengths[r] > max_tokens:
-                out.append(cur)
-                cur = []
-            cur.append(r)
-        if cur:
-            out.append(cur)
+        out += batches(sorted(rows[a: a + 256], key=lambda r: lengths[r]), lengths, max_tokens)
     if shuffle:
         rng.shuffle(out)
     return out
