@@ -1,18 +1,20 @@
-"""Data tokens per second end to end (regeneration + extraction), a separate extraction pass against the
-hidden states kept while regenerating (``extract.source``), on the same prompts with fresh caches.
+"""Data tokens per second end to end (regeneration + extraction): ``hf`` regeneration then a separate
+extraction pass, ``hf`` keeping the hidden states while it regenerates (``extract.source``), and with
+``--vllm`` the ``vllm`` backend then the pass; the same prompts, fresh caches.
 
     .venv/bin/python scripts/bench_data.py                        # default target, 32 built-in prompts
     .venv/bin/python scripts/bench_data.py --limit 8 model=tiny-llama   # a smoke run
 
 Each mode runs ``stages=[data,extract]`` in its own scratch output root (nothing cached) in a child process;
-the figures are the stages' wall times from their markers. Prints a table and how close the two modes'
-shards are (max |difference| of the stored states, share of equal argmax tokens).
+the figures are the stages' wall times from their markers (vLLM's server start included). Prints a table
+and how close the two hf modes' shards are (max |difference| of the stored states, share of equal argmax).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,14 +44,18 @@ def shards(cfg) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--limit", type=int, default=32, help="built-in prompts")
+    ap.add_argument("--vllm", action="store_true", help="also data.regen.backend=vllm (needs `make vllm-env`)")
     ap.add_argument("overrides", nargs="*", help="pipeline overrides, e.g. model=tiny-llama")
     args = ap.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="specheads-bench-data-"))
     common = ["tracking=none", "stages=[data,extract]", f"data.sources=[{{type:builtin,limit:{args.limit}}}]",
               *args.overrides]
+    modes = {"hf+pass": ["extract.source=pass"], "hf+kept": ["extract.source=regen"]}
+    if args.vllm:
+        modes["vllm+pass"] = ["extract.source=pass", "data.regen.backend=vllm", "data.regen.vllm.max_model_len=4096"]
     rows, cfgs = [], {}
-    for source in ("pass", "regen"):
-        overrides = [*common, f"extract.source={source}", f"output_root={scratch / source}"]
+    for source, extra in modes.items():
+        overrides = [*common, *extra, f"output_root={scratch / source}"]
         subprocess.run([sys.executable, str(ROOT / "train/run.py"), *overrides], cwd=ROOT, check=True)
         cfg = cfgs[source] = compose(overrides)
         data, extract = read_marker(cfg, "data"), read_marker(cfg, "extract")
@@ -59,17 +65,18 @@ def main() -> None:
         wall = data["wall_s"] + extract["wall_s"]
         rows.append((source, stats["regeneration"]["new_tokens"], tokens, data["wall_s"], extract["wall_s"], wall,
                      tokens / wall, manifest.get("from_regeneration", {}).get("rows", 0), sum(manifest["rows"].values())))
-    print(f"\n{'source':8} {'new tok':>8} {'tokens':>7} {'data s':>7} {'extract s':>9} {'total s':>8} "
+    print(f"\n{'mode':10} {'new tok':>8} {'tokens':>7} {'data s':>7} {'extract s':>9} {'total s':>8} "
           f"{'tok/s':>7} {'kept rows':>10}")
     for source, new, tokens, d, e, w, rate, kept, total in rows:
-        print(f"{source:8} {new:>8} {tokens:>7} {d:>7.1f} {e:>9.1f} {w:>8.1f} {rate:>7.1f} {kept:>5}/{total}")
-    print(f"end-to-end speed-up regen / pass: {rows[1][6] / rows[0][6]:.2f}x")
-    a, b = shards(cfgs["regen"]), shards(cfgs["pass"])
+        print(f"{source:10} {new:>8} {tokens:>7} {d:>7.1f} {e:>9.1f} {w:>8.1f} {rate:>7.1f} {kept:>5}/{total}")
+    print(f"end-to-end speed-up hf+kept / hf+pass: {rows[1][6] / rows[0][6]:.2f}x")
+    a, b = shards(cfgs["hf+kept"]), shards(cfgs["hf+pass"])
     same = [k for k in a if k in b and a[k][0].shape == b[k][0].shape]
     diff = max((a[k][0] - b[k][0]).abs().max().item() for k in same)
     agree = torch.cat([a[k][1] == b[k][1] for k in same]).float().mean().item()
     print(f"shards: {len(same)}/{len(b)} rows comparable; max |state difference| {diff:.3g}; argmax agreement "
           f"{agree:.4f}")
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

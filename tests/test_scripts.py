@@ -100,8 +100,8 @@ def test_bench_decode_medusa():
 def test_bench_data():
     out = run_script("bench_data.py", "--limit", "4", "model=tiny-llama", "data.regen.max_new_tokens=8",
                      "head.draft_vocab_size=64")
-    assert re.search(r"^pass\s+\d+\s+\d+", out, re.M) and re.search(r"^regen\s+\d+\s+\d+", out, re.M), out
-    assert "end-to-end speed-up regen / pass" in out and "4/4 rows comparable" in out
+    assert re.search(r"^hf\+pass\s+\d+\s+\d+", out, re.M) and re.search(r"^hf\+kept\s+\d+\s+\d+", out, re.M), out
+    assert "end-to-end speed-up hf+kept / hf+pass" in out and "4/4 rows comparable" in out
 
 
 def test_bench_extract(source):
