@@ -3,9 +3,9 @@ compared by validation accuracy and simulated tau (on held-out prompts).
 
 Each variant trains for the same wall-clock budget in a scratch copy of a finished run's data and
 extract stages (the same data for every row). Default variants (:data:`VARIANTS`): the default config,
-then one lever per row -- positions, lm_head init, TTT depth, tap noise, starting the draft layer from
-a target layer (with and without the last-tap fc), and the acceptance objectives (TV, LK-alpha,
-LK-lambda) instead of KL.
+then one lever per row -- positions, lm_head init, TTT depth, tap noise, a random start instead of the
+draft layer started from target layer N-3 with the last-tap fc (the defaults), and the acceptance
+objectives (TV, LK-alpha, LK-lambda) instead of KL.
 
     .venv/bin/python scripts/bench_levers.py [--minutes 6] [--head eagle3|medusa] [--variant "name:key=value,key=value" ...] [key=value ...]
 
@@ -31,8 +31,8 @@ VARIANTS = {
         "no lm_head init:head.init_from_target=false",
         "TTT 7 steps:head.ttt_steps=7",
         "tap noise 0.05:head.tap_noise=0.05",
-        "layer init N-3:head.layer_init=-3",
-        "layer init N-3 + last-tap fc:head.layer_init=-3,head.fc_init=last_tap",
+        "random start (no layer init, random fc):head.layer_init=null,head.fc_init=random",
+        "layer init, random fc:head.fc_init=random",
         *OBJECTIVE_VARIANTS,
     ],
     "medusa": ["default:", "assistant-only positions:train.positions=assistant", *OBJECTIVE_VARIANTS],
