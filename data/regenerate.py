@@ -94,11 +94,12 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[
                 if kept[row] is None:
                     feed.append(None)
                     continue
-                forced[row] = tail(row, answers[row]) if tail else []
-                if forced[row] is None:
-                    kept[row] = forced[row] = None
-                if not done[row]:  # max_new_tokens: the last token's state is needed too
-                    forced[row] = [tok, *(forced[row] or [])] if kept[row] is not None else []
+                more = tail(row, answers[row]) if tail else []
+                if more is None:  # states not wanted: the row leaves
+                    kept[row], more = None, []
+                elif not done[row]:  # cut at max_new_tokens: the last token's state is needed too
+                    more = [tok, *more]
+                forced[row] = more
             feed.append(forced[row].pop(0) if forced[row] else None)
         keep = [j for j, tok in enumerate(feed) if tok is not None]
         if not keep:
