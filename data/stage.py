@@ -7,7 +7,7 @@ Writes into ``<run_dir>/data/`` (format documented in the README, "Files between
 - ``captured/``: with ``extract.source: regen``, hidden states kept while regenerating (:mod:`data.captured`);
 - ``vocab.safetensors``: d2t (int64), t2d (bool), masked_counts, all_counts (int64, train split);
 - ``stats.json``: rows read/kept/dropped per reason, tokens, masked tokens, coverage, regeneration;
-- ``manifest.json``: target and tokenizer fingerprints, sizes.
+- ``manifest.json``: target and tokenizer fingerprints, sizes, ``dataset_id`` (a hash of the dataset files).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from data.synth import Synthesizer
 from data.template import check_template, set_thinking, tokenize_conversation, with_system
 from data.vocab import build_vocab, coverage, coverage_curve
 from train.log import log, progress
-from train.stages import stage_dir
+from train.stages import files_id, stage_dir
 from train.target import load_config, load_tokenizer, target_fingerprint, tokenizer_fingerprint
 
 SPLITS = ("train", "validation")
@@ -188,6 +188,7 @@ def run(cfg: DictConfig) -> dict:
         "draft_vocab_size": int(d2t.numel()),
         "rows": stats["rows_kept"],
         "tokens": stats["tokens"],
+        "dataset_id": files_id(out, ["dataset/*/*.arrow"]),  # identical datasets of sibling runs (extract.reuse)
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     log(f"[data] train {len(rows['train'])} rows / {stats['tokens']['train']} tokens "

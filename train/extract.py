@@ -39,7 +39,7 @@ from train import dist
 from train.errors import UserError
 from train.log import log, peak_rss_gib, progress
 from train.losses import full_argmax
-from train.stages import MARKER, files_id, fingerprint, require, stage_dir
+from train.stages import MARKER, fingerprint, require, stage_dir
 from train.target import (
     load_config,
     load_target,
@@ -189,7 +189,7 @@ def run(cfg: DictConfig) -> dict:
     shards = plan_shards(lengths, bytes_per_token, cfg.extract.shard_mb)
     fp = fingerprint(cfg, "extract")
     todo = [s for s in shards if not _complete(out / s["file"], fp)]
-    dataset_id = files_id(stage_dir(cfg, "data"), ["dataset/*/*.arrow"])
+    dataset_id = data_manifest["dataset_id"]
     ready = ReadyStates(cfg, ds, lengths, layers, data_manifest["target_fingerprint"], dataset_id)
     check_disk(out, sum(s["tokens"] for s in todo) * (bytes_per_token + 4), cfg.extract.disk_margin)
 
