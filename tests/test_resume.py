@@ -159,13 +159,24 @@ def test_a_longer_time_budget_continues_the_run(prepared, tmp_path, monkeypatch)
 
 
 def test_budget_is_for_the_whole_run():
-    """fit_schedule: earlier runs' time is in elapsed_s; a refit continues the cosine from the ratio reached."""
+    """fit_schedule: earlier runs' time is in elapsed_s; a refit continues the cosine from the ratio reached;
+    a slower measured step shrinks the plan, a faster one extends it up to the planned steps."""
     from omegaconf import OmegaConf
 
+    tcfg = OmegaConf.create({"max_minutes": 1})
     state = {"step": 10, "total_steps": 1000}
-    train.loop.fit_schedule(state, OmegaConf.create({"max_minutes": 1}), step_s=1.0, elapsed_s=30.0)
-    assert state["total_steps"] == 10 + 24 and state["fitted"]
-    ratio = train.loop.lr_lambda(34, 2, 34, 0.1)
+    assert train.loop.fit_schedule(state, tcfg, step_s=1.0, elapsed_s=27.0, planned_steps=1000, lr_ratio=1.0)
+    assert state["total_steps"] == 10 + 30 and state["fitted"] and state["segment"] == [10, 1.0]
+    ratio = train.loop.lr_lambda(20, 2, 40, 0.1, state["segment"])
+    assert 0.1 < ratio < 1.0
+    state["step"] = 20  # steps ran slower than measured: 2 s each
+    assert train.loop.fit_schedule(state, tcfg, step_s=2.0, elapsed_s=37.0, planned_steps=1000, lr_ratio=ratio)
+    assert state["total_steps"] == 20 + 10 and state["segment"] == [20, ratio]
+    assert train.loop.lr_lambda(20, 2, 30, 0.1, state["segment"]) == pytest.approx(ratio)  # no jump
+    assert train.loop.lr_lambda(30, 2, 30, 0.1, state["segment"]) == pytest.approx(0.1)  # ends at the new total
+    assert not train.loop.fit_schedule(state, tcfg, step_s=2.0, elapsed_s=36.9, planned_steps=1000, lr_ratio=ratio)
+    assert train.loop.fit_schedule(state, tcfg, step_s=0.01, elapsed_s=37.0, planned_steps=100, lr_ratio=ratio)
+    assert state["total_steps"] == 100  # faster: extended, never beyond the planned steps
     train.loop.refit_budget(state | {"step": 34}, 100, ratio)
     segment = [34, ratio]
     assert train.loop.lr_lambda(34, 2, 100, 0.1, segment) == pytest.approx(ratio)

@@ -11,7 +11,8 @@ Output ``<run_dir>/extract/``:
   (int32: the target's full-vocabulary next-token argmax, so training needs only the draft
   vocabulary's rows of the lm_head), ``row_index`` [rows] (row of the data split), ``offsets``
   [rows + 1] (row r is hidden[offsets[r]:offsets[r+1]]);
-  written under a temporary name and renamed, so a file that exists is complete.
+  written under a temporary name and renamed, so a file that exists is complete; partial files of a
+  killed run are deleted when the stage starts again.
 - ``manifest.json`` (rank 0, after all ranks finished): layers, dtype, hidden size, shards, token
   counts, bytes, fingerprints of the target, the tokenizer and the data.
 
@@ -176,6 +177,10 @@ def _full_weight(param: torch.Tensor, zero_stage: int) -> torch.Tensor:
 def run(cfg: DictConfig) -> dict:
     require(cfg, "data")
     out = stage_dir(cfg, "extract")
+    if dist.is_main():  # partial files of a killed run (safetensors itself writes through a `.tmpXXXXXX`)
+        for partial in out.glob(".*tmp*"):
+            partial.unlink()
+    dist.barrier()
     device = dist.bind_device(resolve_device(cfg.device))
     tokenizer = load_tokenizer(cfg)
     data_manifest = check_data(cfg, tokenizer)

@@ -182,9 +182,9 @@ def validate(head, kind, cfg, batches: Batches, rows: list[int], draft_rows, max
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float, segment: list | None = None) -> float:
-    """Linear warmup, then cosine to ``min_ratio`` at ``total``. ``segment`` = [step0, ratio0] (a resumed run
-    whose budget changed): from step0 the cosine runs from ratio0 (the ratio reached) to ``min_ratio`` at
-    the new ``total``, so the learning rate does not jump."""
+    """Linear warmup, then cosine to ``min_ratio`` at ``total``. ``segment`` = [step0, ratio0] (the plan was
+    refitted to the time budget at step0, or a resumed run's budget changed): from step0 the cosine runs
+    from ratio0 (the ratio reached) to ``min_ratio`` at the new ``total``, so the learning rate does not jump."""
     if segment is not None and step >= segment[0]:
         progress_ = min(1.0, (step - segment[0]) / max(1, total - segment[0]))
         return min_ratio + (segment[1] - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress_))
@@ -203,16 +203,24 @@ def param_groups(head: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def fit_schedule(state: dict, tcfg: DictConfig, step_s: float, elapsed_s: float) -> None:
-    """Shrink the planned steps to what ``train.max_minutes`` allows at the measured step time (10% kept
-    for validation and checkpoints). ``elapsed_s`` counts the training time of earlier (resumed) runs too:
-    the budget is for the whole run; a resumed run with a new budget refits from its current step."""
-    state["fitted"] = True
-    fits = state["step"] + int((0.9 * tcfg.max_minutes * 60 - elapsed_s) / max(step_s, 1e-9))
-    if fits < state["total_steps"]:
-        state["total_steps"] = max(state["step"] + 1, fits)
-        log(f"[train] {step_s:.1f} s/step: {state['total_steps']} steps fit train.max_minutes={tcfg.max_minutes}; "
-            "the learning-rate schedule ends there")
+def fit_schedule(state: dict, tcfg: DictConfig, step_s: float, elapsed_s: float, planned_steps: int,
+                 lr_ratio: float) -> bool:
+    """Plan the steps that ``train.max_minutes`` allows at the measured average step time (which includes
+    the validations and checkpoints so far; 5% of the budget kept for the last ones), at most
+    ``planned_steps``. Called at every step once the warmup is timed, so a first estimate that ran ahead
+    (prefetched batches, no validation yet) is corrected: the plan changes when it is more than 2% off, and
+    the cosine then continues from ``lr_ratio`` (the ratio reached) to its end at the new total.
+    ``elapsed_s`` counts the training time of earlier (resumed) runs too: the budget is for the whole run.
+    Returns whether the plan changed."""
+    fits = state["step"] + int((0.95 * tcfg.max_minutes * 60 - elapsed_s) / max(step_s, 1e-9))
+    total = max(state["step"] + 1, min(planned_steps, fits))
+    if abs(total - state["total_steps"]) <= 0.02 * state["total_steps"]:
+        return False
+    if not state.get("fitted"):
+        log(f"[train] {step_s:.2f} s/step: {total} steps fit train.max_minutes={tcfg.max_minutes}; the "
+            "learning-rate schedule ends there (refitted as the step time is measured)")
+    state.update(total_steps=total, fitted=True, segment=[state["step"], lr_ratio])
+    return True
 
 
 def rng_state() -> dict:
@@ -361,8 +369,8 @@ class Trainer:
         del weights
         self.data = load_data(cfg, target, layers, self.device, self.per_step)
         self.planned_steps = self.tcfg.max_steps or self.tcfg.epochs * self.data.steps_per_epoch
-        # With a wall-clock budget the schedule is fitted to it once the warmup has been timed (kept in the
-        # checkpointed state, so a resumed run follows the same schedule).
+        # With a wall-clock budget the schedule is fitted to it from the measured step time once the warmup has
+        # been timed (kept in the checkpointed state, so a resumed run follows the same schedule).
         self.state = {"step": 0, "best": -1.0, "bad_evals": 0, "history": [], "total_steps": self.planned_steps}
         # A lambda, not the bound method: LambdaLR leaves plain functions out of its (checkpointed) state.
         self.engine, self.scheduler = make_engine(head, self.tcfg, self.dtype, lambda s: self.lr_ratio(s))
@@ -472,14 +480,14 @@ class Trainer:
         return stats
 
     def fit_to_budget(self) -> None:
-        """Once the warmup steps are timed, shrink the schedule to ``train.max_minutes`` (:func:`fit_schedule`;
-        rank 0's time, so every rank plans the same steps)."""
+        """Once the warmup steps are timed, fit the schedule to ``train.max_minutes`` at every step
+        (:func:`fit_schedule`; rank 0's time, so every rank plans the same steps)."""
         tcfg, state = self.tcfg, self.state
         timed = state["step"] - self.timed_from[0]
-        if tcfg.max_minutes and not state.get("fitted") and timed == max(1, tcfg.warmup_steps):
+        if tcfg.max_minutes and timed >= max(1, tcfg.warmup_steps):
             step_s, elapsed_s = dist.broadcast(((time.time() - self.timed_from[1]) / timed, time.time() - self.start))
-            fit_schedule(state, tcfg, step_s, elapsed_s)
-            self.bar.total = state["total_steps"]
+            if fit_schedule(state, tcfg, step_s, elapsed_s, self.planned_steps, self.lr_ratio(state["step"])):
+                self.bar.total = state["total_steps"]
 
     def log_step(self, stats: list[StepStats], epoch: int) -> None:
         """The last step's losses, accuracies and simulated tau, the learning rate and the throughput since the
@@ -619,9 +627,7 @@ def refit_budget(state: dict, planned_steps: int, lr_ratio: float) -> None:
     """A resumed run whose budget (max_minutes / max_steps / epochs) changed: the planned steps are those of
     the new budget, fitted again to train.max_minutes once steps are timed, and the cosine continues from
     the learning-rate ratio reached to its end at the new total (:func:`lr_lambda`)."""
-    state["total_steps"] = max(planned_steps, state["step"])
-    state["fitted"] = False
-    state["segment"] = [state["step"], lr_ratio]
+    state.update(total_steps=max(planned_steps, state["step"]), fitted=False, segment=[state["step"], lr_ratio])
 
 
 def _remove_checkpoints(ckpt_dir) -> None:
