@@ -115,6 +115,9 @@ def test_changed_result_key_refuses_and_force_starts_over(prepared, tmp_path, mo
     assert [m["step"] for m in train_metrics(changed)][-6:] == list(range(1, 7))  # trained from step 0
     client = json.loads((ckpt / (ckpt / "latest").read_text().strip() / "client.json").read_text())
     assert client["identity"]["train.lr"] == 1e-4
+    run_stages(changed)  # nothing changed: force=[train] still trains again from step 0 (it once resumed at the end)
+    assert [m["step"] for m in train_metrics(changed)][-6:] == list(range(1, 7))
+    assert sum("starting over" in line for line in lines) == 2
 
 
 def test_bookkeeping_keys_skip_or_resume(prepared, tmp_path, monkeypatch):

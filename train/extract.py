@@ -292,9 +292,9 @@ class ReadyStates:
             for split in SPLITS:
                 for r in self.sibling[0].index[split]:
                     self.rows[split].setdefault(r, "run")
+        sibling = f" and {self.count('run')} in the run {self.sibling[0].dir.parent}" if self.sibling else ""
         log(f"[extract] of {sum(map(len, lengths.values()))} rows, {self.count('regeneration')} have states kept "
-            f"while regenerating and {self.count('run')} from the run in "
-            f"{self.sibling[0].dir.parent if self.sibling else None}; the others go through the forward pass")
+            f"while regenerating{sibling}; the others go through the forward pass")
 
     def count(self, origin: str) -> int:
         return sum(o == origin for rows in self.rows.values() for o in rows.values())

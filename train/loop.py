@@ -383,9 +383,10 @@ class Trainer:
         return lr_lambda(step, t.warmup_steps, s["total_steps"], t.min_lr_ratio, s.get("segment"))
 
     def resume(self) -> None:
-        """Continue from the latest complete checkpoint. One made with other result keys is refused
-        (:class:`CheckpointMismatchError`) or, with ``force=[train]``, deleted; a changed budget refits the
-        schedule (:func:`refit_budget`); the leftovers of a crash before the first checkpoint are deleted."""
+        """Continue from the latest complete checkpoint. ``force=[train]`` deletes the checkpoints and starts
+        over; without it, one made with other result keys is refused (:class:`CheckpointMismatchError`); a
+        changed budget refits the schedule (:func:`refit_budget`); the leftovers of a crash before the first
+        checkpoint are deleted."""
         cfg, state, ckpt_dir = self.cfg, self.state, self.ckpt_dir
         latest = ckpt_dir / "latest"
         meta = ckpt_dir / latest.read_text().strip() / "client.json" if latest.exists() else None
@@ -397,15 +398,16 @@ class Trainer:
             return
         changed = checkpoint_changes(json.loads(meta.read_text()), self.identity)
         blocking = [k for k in changed if k not in RESUMABLE["train"]]
-        if blocking and "train" not in cfg.force:
+        if "train" in cfg.force:
+            log(f"[train] force=[train]: deleting {ckpt_dir} and starting over"
+                + (f" ({', '.join(blocking)} changed)" if blocking else ""))
+            _remove_checkpoints(ckpt_dir)
+            return
+        if blocking:
             raise CheckpointMismatchError(
                 f"the training checkpoints in {ckpt_dir} were made with other settings: {', '.join(blocking)} "
                 f"changed. Add force=[train] to start over (the checkpoints are then deleted), or set the "
                 f"old value(s) back to resume")
-        if blocking:
-            log(f"[train] force=[train]: {', '.join(blocking)} changed; deleting {ckpt_dir} and starting over")
-            _remove_checkpoints(ckpt_dir)
-            return
         _, client = self.engine.load_checkpoint(str(ckpt_dir), load_module_strict=False)
         state.update(client["state"])
         set_rng_state(client["rng"])
@@ -437,11 +439,9 @@ class Trainer:
             stream = prefetch(self.data.train, self.epoch_batches(epoch, offset), 0 if tcfg.online else tcfg.prefetch)
             for _ in range(offset, self.data.steps_per_epoch):
                 stats = self.step(islice(stream, tcfg.grad_accum))
-                self.fit_to_budget()
+                timed_out = self.fit_to_budget()
                 if state["step"] % tcfg.log_every == 0 or state["step"] == state["total_steps"]:
                     self.log_step(stats, epoch)
-                # Rank 0's clock decides, so every rank stops after the same step.
-                timed_out = bool(tcfg.max_minutes) and dist.broadcast((time.time() - self.start) / 60 >= tcfg.max_minutes)
                 if state["step"] % tcfg.eval_every == 0:
                     self.evaluate("every")
                 if state["step"] % tcfg.checkpoint_every == 0:
@@ -479,15 +479,19 @@ class Trainer:
         self.bar.update(1)
         return stats
 
-    def fit_to_budget(self) -> None:
-        """Once the warmup steps are timed, fit the schedule to ``train.max_minutes`` at every step
-        (:func:`fit_schedule`; rank 0's time, so every rank plans the same steps)."""
+    def fit_to_budget(self) -> bool:
+        """With ``train.max_minutes``: whether the budget is spent and, once the warmup steps are timed, the
+        schedule fitted to what is left (:func:`fit_schedule`). Rank 0's clock decides, so every rank plans
+        the same steps and stops after the same step."""
         tcfg, state = self.tcfg, self.state
+        if not tcfg.max_minutes:
+            return False
+        elapsed_s, timed_s = dist.broadcast((time.time() - self.start, time.time() - self.timed_from[1]))
         timed = state["step"] - self.timed_from[0]
-        if tcfg.max_minutes and timed >= max(1, tcfg.warmup_steps):
-            step_s, elapsed_s = dist.broadcast(((time.time() - self.timed_from[1]) / timed, time.time() - self.start))
-            if fit_schedule(state, tcfg, step_s, elapsed_s, self.planned_steps, self.lr_ratio(state["step"])):
-                self.bar.total = state["total_steps"]
+        if timed >= max(1, tcfg.warmup_steps) and fit_schedule(state, tcfg, timed_s / timed, elapsed_s,
+                                                                 self.planned_steps, self.lr_ratio(state["step"])):
+            self.bar.total = state["total_steps"]
+        return elapsed_s / 60 >= tcfg.max_minutes
 
     def log_step(self, stats: list[StepStats], epoch: int) -> None:
         """The last step's losses, accuracies and simulated tau, the learning rate and the throughput since the
