@@ -83,8 +83,13 @@ def test_default_target_gguf_equals_cached_directory(default_cfg):
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     assert ids.tolist() == direct_tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                                           return_dict=True)["input_ids"].tolist()
+    direct_weights = direct.state_dict()
+    for name, tensor in cached.state_dict().items():  # the same numbers, bit for bit
+        assert torch.equal(tensor, direct_weights[name]), name
     with torch.no_grad():
-        torch.testing.assert_close(cached(ids).logits, direct(ids).logits, rtol=1e-4, atol=1e-4)
+        # fp32 GEMMs are not bitwise reproducible across memory layouts (a fresh CI run once differed by 5e-3
+        # on logits of magnitude ~20); the weights above are the exact check
+        torch.testing.assert_close(cached(ids).logits, direct(ids).logits, rtol=1e-3, atol=2e-2)
         a = cached.generate(ids, max_new_tokens=16, do_sample=False)
         b = direct.generate(ids, max_new_tokens=16, do_sample=False)
     assert a.shape[1] == ids.shape[1] + 16 or a[0, -1].item() == tok.eos_token_id

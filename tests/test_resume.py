@@ -180,6 +180,8 @@ def test_budget_is_for_the_whole_run():
     assert not train.loop.fit_schedule(state, tcfg, step_s=2.0, elapsed_s=36.9, planned_steps=1000, lr_ratio=ratio)
     assert train.loop.fit_schedule(state, tcfg, step_s=0.01, elapsed_s=37.0, planned_steps=100, lr_ratio=ratio)
     assert state["total_steps"] == 100  # faster: extended, never beyond the planned steps
+    state["step"] = 100  # the last planned step: no step added (a bug once extended the run a step at a time)
+    assert not train.loop.fit_schedule(state, tcfg, step_s=0.01, elapsed_s=37.0, planned_steps=100, lr_ratio=0.1)
     train.loop.refit_budget(state | {"step": 34}, 100, ratio)
     segment = [34, ratio]
     assert train.loop.lr_lambda(34, 2, 100, 0.1, segment) == pytest.approx(ratio)

@@ -213,7 +213,7 @@ def fit_schedule(state: dict, tcfg: DictConfig, step_s: float, elapsed_s: float,
     ``elapsed_s`` counts the training time of earlier (resumed) runs too: the budget is for the whole run.
     Returns whether the plan changed."""
     fits = state["step"] + int((0.95 * tcfg.max_minutes * 60 - elapsed_s) / max(step_s, 1e-9))
-    total = max(state["step"] + 1, min(planned_steps, fits))
+    total = min(planned_steps, max(state["step"] + 1, fits))
     if abs(total - state["total_steps"]) <= 0.02 * state["total_steps"]:
         return False
     if not state.get("fitted"):
