@@ -177,11 +177,11 @@ def _full_weight(param: torch.Tensor, zero_stage: int) -> torch.Tensor:
 def run(cfg: DictConfig) -> dict:
     require(cfg, "data")
     out = stage_dir(cfg, "extract")
+    device = dist.bind_device(resolve_device(cfg.device))  # before the barrier: NCCL needs this rank's GPU
     if dist.is_main():  # partial files of a killed run (safetensors itself writes through a `.tmpXXXXXX`)
         for partial in out.glob(".*tmp*"):
             partial.unlink()
     dist.barrier()
-    device = dist.bind_device(resolve_device(cfg.device))
     tokenizer = load_tokenizer(cfg)
     data_manifest = check_data(cfg, tokenizer)
     tcfg = load_config(cfg)
