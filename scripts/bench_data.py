@@ -7,7 +7,8 @@ extraction pass, ``hf`` keeping the hidden states while it regenerates (``extrac
 
 Each mode runs ``stages=[data,extract]`` in its own scratch output root (nothing cached) in a child process;
 the figures are the stages' wall times from their markers (vLLM's server start included). Prints a table
-and how close the two hf modes' shards are (max |difference| of the stored states, share of equal argmax).
+how close the two hf modes' shards are (max |difference| of the stored states, share of equal argmax) and,
+with ``--vllm``, how many rows the vllm and hf backends regenerated token-identically.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from datasets import load_from_disk
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +41,12 @@ def shards(cfg) -> dict:
             a, b = t["offsets"][j], t["offsets"][j + 1]
             out[shard["split"], r] = (t["hidden"][a:b].float(), t["argmax"][a:b])
     return out
+
+
+def rows_by_key(cfg) -> dict[str, list[int]]:
+    """Every row's token ids of ``cfg``'s dataset, by (split, prompt key)."""
+    dataset = load_from_disk(str(stage_dir(cfg, "data") / "dataset"))
+    return {(split, r["key"]): r["input_ids"] for split in dataset for r in dataset[split]}
 
 
 def main() -> None:
@@ -63,13 +71,20 @@ def main() -> None:
         manifest = json.loads((stage_dir(cfg, "extract") / "manifest.json").read_text())
         tokens = manifest["tokens"]
         wall = data["wall_s"] + extract["wall_s"]
-        rows.append((source, stats["regeneration"]["new_tokens"], tokens, data["wall_s"], extract["wall_s"], wall,
-                     tokens / wall, manifest.get("from_regeneration", {}).get("rows", 0), sum(manifest["rows"].values())))
-    print(f"\n{'mode':10} {'new tok':>8} {'tokens':>7} {'data s':>7} {'extract s':>9} {'total s':>8} "
-          f"{'tok/s':>7} {'kept rows':>10}")
-    for source, new, tokens, d, e, w, rate, kept, total in rows:
-        print(f"{source:10} {new:>8} {tokens:>7} {d:>7.1f} {e:>9.1f} {w:>8.1f} {rate:>7.1f} {kept:>5}/{total}")
-    print(f"end-to-end speed-up hf+kept / hf+pass: {rows[1][6] / rows[0][6]:.2f}x")
+        regen = stats["regeneration"]
+        rows.append((source, regen["new_tokens"], regen["tokens_per_s"], tokens, data["wall_s"], extract["wall_s"],
+                     wall, tokens / wall, manifest.get("from_regeneration", {}).get("rows", 0),
+                     sum(manifest["rows"].values())))
+    print(f"\n{'mode':10} {'new tok':>8} {'regen tok/s':>11} {'tokens':>7} {'data s':>7} {'extract s':>9} "
+          f"{'total s':>8} {'tok/s':>7} {'kept rows':>10}")
+    for source, new, regen_rate, tokens, d, e, w, rate, kept, total in rows:
+        print(f"{source:10} {new:>8} {regen_rate:>11} {tokens:>7} {d:>7.1f} {e:>9.1f} {w:>8.1f} {rate:>7.1f} "
+              f"{kept:>5}/{total}")
+    print(f"end-to-end speed-up hf+kept / hf+pass: {rows[1][7] / rows[0][7]:.2f}x")
+    if args.vllm:
+        hf, vl = (rows_by_key(cfgs[m]) for m in ("hf+pass", "vllm+pass"))
+        same = sum(hf[k] == vl.get(k) for k in hf)
+        print(f"hf / vllm answers: {same}/{len(hf)} rows token-identical (prompt + answers)")
     a, b = shards(cfgs["hf+kept"]), shards(cfgs["hf+pass"])
     same = [k for k in a if k in b and a[k][0].shape == b[k][0].shape]
     diff = max((a[k][0] - b[k][0]).abs().max().item() for k in same)

@@ -174,6 +174,36 @@ def test_batches_keep_the_stored_dtype_and_prefetch_keeps_the_order(prepared, tm
         assert all(torch.equal(a[k], b[k]) for k in ("input_ids", "states", "argmax"))
 
 
+def test_train_subset_is_seeded_nested_and_sized():
+    from train.loop import train_subset
+
+    lengths = [int(x) for x in torch.randint(20, 700, (300,), generator=torch.Generator().manual_seed(0))]
+    assert train_subset(lengths, None, 0) == list(range(300))
+    small, large = train_subset(lengths, 5000, 0), train_subset(lengths, 20000, 0)
+    assert set(small) < set(large) and small == train_subset(lengths, 5000, 0) != train_subset(lengths, 5000, 1)
+    for rows, budget in ((small, 5000), (large, 20000)):
+        total = sum(lengths[r] for r in rows)
+        assert budget <= total < budget + 700 and rows == sorted(rows)
+
+
+def test_train_on_a_token_budget_of_the_data(prepared, tmp_path):
+    """train.data_tokens: the loop's micro-batches index the subset; the rows and states are the split's own."""
+    from data.stage import load_dataset
+    from train.loop import Batches
+
+    cfg = fresh_run(prepared, tmp_path, "stages=[train]", "train.data_tokens=1500", "train.max_steps=2")
+    run_stages(cfg)
+    summary = json.loads((stage_dir(cfg, "train") / "summary.json").read_text())
+    rows = load_dataset(cfg)["train"]
+    assert 1500 <= summary["data"]["tokens"] < sum(rows["length"]) and summary["data"]["rows"] < len(rows)
+    captures = Captures(stage_dir(cfg, "extract"))
+    batch = Batches("train", rows, captures, None, [2, 4, 5, 8], torch.device("cpu"), index=[5, 2])([1, 0])
+    for j, r in enumerate((2, 5)):
+        n = int(rows[r]["length"])
+        assert torch.equal(batch["input_ids"][j, :n], torch.as_tensor(rows[r]["input_ids"]).long())
+        assert torch.equal(batch["states"][j, :n], captures.get("train", r)[0])
+
+
 def test_wandb_offline_run_has_the_logged_keys(prepared, tmp_path):
     cfg = fresh_run(prepared, tmp_path, "stages=[train]", "tracking=wandb", "train.max_steps=2")
     run_stages(cfg)

@@ -56,8 +56,8 @@ def source(tmp_path_factory):
 def test_every_script_has_a_smoke_test():
     """A new script gets a test here (or a reason not to)."""
     covered = {"_bench.py", "bench_data.py", "bench_decode.py", "bench_extract.py", "bench_gpu_scale.py",
-               "bench_levers.py", "bench_train.py", "bench_ttt_attention.py", "gpu_check.sh", "setup_env.sh", "setup_vllm_env.sh",
-               "vllm_check.py"}   # vllm_check.py: tests/test_vllm_check.py
+               "bench_levers.py", "bench_train.py", "bench_ttt_attention.py", "gpu_check.sh", "learning_curve.py",
+               "setup_env.sh", "setup_vllm_env.sh", "vllm_check.py"}   # vllm_check.py: tests/test_vllm_check.py
     assert {p.name for p in SCRIPTS.iterdir() if p.is_file()} <= covered
 
 
@@ -115,6 +115,21 @@ def test_bench_levers(source):
                      "--variant", "default:train.max_steps=2,train.warmup_steps=1")
     assert "== training levers: eagle3" in out
     assert re.search(r"^default\s+2\s+\d+\s+[\d.]+", out, re.M), out
+
+
+def test_learning_curve(source, tmp_path):
+    """Two nested points trained and exported in fresh processes; the JSON, the plot and the table."""
+    import json
+
+    out = run_script("learning_curve.py", *source("eagle3"), "--tokens", "150,300", "--epochs", "1",
+                     "--out", str(tmp_path / "points"), "--figure", str(tmp_path / "curve"),
+                     "--train", "train.num_threads=1", "--train", "train.micro_batch_tokens=64",
+                     "--train", "train.warmup_steps=1", "--train", "train.eval_every=1000")
+    points = json.loads((tmp_path / "curve.json").read_text())["points"]
+    assert [p["budget"] for p in points] == [150, 300] and (tmp_path / "curve.png").stat().st_size > 0
+    assert 150 <= points[0]["tokens"] < points[1]["tokens"] and points[0]["steps"] < points[1]["steps"]
+    assert all((tmp_path / "points" / f"tokens-{t}" / "export" / "vllm" / "config.json").exists() for t in (150, 300))
+    assert "== learning curve: eagle3, 1 epochs per point ==" in out and re.search(r"^\s+\d+\s+\d+\s+\d+", out, re.M)
 
 
 @pytest.mark.slow

@@ -74,9 +74,10 @@ class Batches:
     host tensors are pinned and copied without blocking, so :func:`prefetch` can build the next
     batches on a background thread while the current one trains."""
 
-    def __init__(self, split: str, rows, captures: Captures | None, target, layers: list[int], device: torch.device):
+    def __init__(self, split: str, rows, captures: Captures | None, target, layers: list[int], device: torch.device,
+                 index: list[int] | None = None):
         self.split, self.rows, self.captures, self.target, self.layers = split, rows, captures, target, layers
-        self.device = device
+        self.device, self.index = device, index  # batch position -> row of the split (None: the same)
         self.pin = device.type == "cuda"
 
     def _host(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -86,6 +87,8 @@ class Batches:
         return t.to(self.device, non_blocking=self.pin)
 
     def __call__(self, batch: list[int]) -> dict[str, torch.Tensor]:
+        if self.index is not None:
+            batch = [self.index[r] for r in batch]
         rows = [self.rows[r] for r in batch]
         lengths = [int(row["length"]) for row in rows]
         B, T = len(batch), max(lengths)
@@ -156,6 +159,20 @@ def summarise(correct: list[torch.Tensor], weight: list[torch.Tensor]) -> dict[s
     out["sim_tau"] = 1 + sum(math.prod(acc[: k + 1]) for k in range(len(acc)))
     out["chain_tau"] = 1 + sum(chain)
     return out
+
+
+def train_subset(lengths: list[int], max_tokens: int | None, seed: int) -> list[int]:
+    """Training rows: all, or a seeded random subset of about ``max_tokens`` tokens (``train.data_tokens``).
+    For one seed a smaller budget's rows are a subset of a larger one's: nested learning-curve points."""
+    if not max_tokens:
+        return list(range(len(lengths)))
+    keep, total = [], 0
+    for r in torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist():
+        if total >= max_tokens:
+            break
+        keep.append(r)
+        total += lengths[r]
+    return sorted(keep)
 
 
 def val_subset(lengths: list[int], max_tokens: int | None) -> list[int]:
@@ -317,11 +334,14 @@ def load_data(cfg: DictConfig, target, layers: list[int], device: torch.device, 
     captures = None if tcfg.online else Captures(stage_dir(cfg, "extract"))
     if captures is not None and captures.layers != layers:
         raise RuntimeError(f"extracted layers {captures.layers} != layers this head needs {layers}; rerun extract")
-    lengths = row_lengths(ds["train"])
+    all_lengths = row_lengths(ds["train"])
+    index = train_subset(all_lengths, tcfg.data_tokens, cfg.seed)
+    lengths = [all_lengths[r] for r in index]
     steps_per_epoch = len(micro_batches(lengths, tcfg.micro_batch_tokens, 0)) // per_step
     if steps_per_epoch == 0:
         raise ValueError(f"not enough training rows for one step of {per_step} micro-batches")
-    return Data(Batches("train", ds["train"], captures, target, layers, device),
+    return Data(Batches("train", ds["train"], captures, target, layers, device,
+                        index if len(index) < len(all_lengths) else None),
                 Batches("validation", ds["validation"], captures, target, layers, device),
                 val_subset(row_lengths(ds["validation"]), tcfg.val_tokens), lengths, steps_per_epoch)
 
@@ -585,6 +605,7 @@ class Trainer:
                    "tokens_per_s": round(tokens / max(own, 1e-9), 1),
                    "train_tokens_per_s": round(tokens / max(own - self.side_s, 1e-9), 1),
                    "validation_checkpoint_s": round(self.side_s, 1),
+                   "data": {"rows": len(self.data.lengths), "tokens": sum(self.data.lengths)},  # the training rows used
                    "peak_rss_gib": round(peak_rss_gib(), 2), "history": state["history"],
                    "config": OmegaConf.to_container(self.cfg.train, resolve=True)}
         if dist.is_main():

@@ -354,7 +354,7 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
                    + (2 * sh.target_linear if tc.online else 0))
     train_rate = pc.train_tok_s or rates.train_tflops * 1e12 / train_flops
     train_basis = "planner.train_tok_s" if pc.train_tok_s else f"planner.{kind}.train_tflops / {train_flops / 1e9:.2f} GFLOP/token"
-    trained = tc.max_steps * world * tc.grad_accum * tc.micro_batch_tokens if tc.max_steps else tc.epochs * tokens["train"]
+    trained = tc.max_steps * world * tc.grad_accum * tc.micro_batch_tokens if tc.max_steps else tc.epochs * min(tokens["train"], tc.data_tokens or tokens["train"])
     train_h = trained / (train_rate * world) / 3600
     extract_dtype = getattr(torch, cfg.extract.dtype) if cfg.extract.zero_stage == 3 and device.type == "cuda" else dtype
     return {
