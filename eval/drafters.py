@@ -135,6 +135,14 @@ class Eagle3Drafter:
         q[:, self.vocab] = torch.stack(qs)
         return DraftTree.chain(tokens, q)
 
+    def _settled(self, pool_scores: list[torch.Tensor], front_scores: torch.Tensor) -> bool:
+        """True when no deeper node can enter the tree: a child's cumulative score is at most its parent's,
+        and the frontier's best does not beat the pool's (total_tokens - 1)-th best (a tie loses, since the
+        stable sort keeps earlier nodes first). Stopping then saves draft forwards and changes nothing."""
+        pool = torch.cat(pool_scores)
+        n = self.total_tokens - 1
+        return len(pool) >= n and bool(front_scores.max() <= pool.topk(n).values[-1])
+
     def _tree(self) -> DraftTree:
         k, dev = self.top_k, self.logits.device
         scores, picks = torch.log_softmax(self.logits, -1).topk(k)
@@ -144,6 +152,8 @@ class Eagle3Drafter:
         ancestors = torch.zeros(k, 0, dtype=torch.bool, device=dev)   # frontier x pending draft rows
         eye = torch.eye(k, dtype=torch.bool, device=dev)
         for d in range(1, min(self.depth, self.total_tokens - 1)):
+            if self._settled(pool_scores, front_scores):
+                break
             committed = torch.ones(k, len(self.cache), dtype=torch.bool, device=dev)
             self.cache.mask = torch.cat([committed, ancestors, eye], 1)
             out = self._step(feats, front_ids, self.position + d)

@@ -306,6 +306,27 @@ def test_eagle3_tree_matches_recompute(tiny: Setup):
         assert [tree.tokens[c - 1] for c in children] == vocab[logits.topk(k).indices].tolist()
 
 
+def test_eagle3_tree_stops_when_no_deeper_node_can_enter(tiny: Setup, monkeypatch):
+    """A small tree stops drafting once the frontier cannot beat its last node: fewer draft forwards, and
+    exactly the first nodes of the full-depth tree (nodes in score order)."""
+    ids = tiny.prompts[1] + tiny.reference[1][:4]
+    layers = tiny.heads["eagle3"].config.aux_layers
+    with torch.inference_mode():
+        _, _, hidden = tiny.decoder.prefill(ids[:-1], layers)
+    trees, steps = {}, {}
+    for total in (8, 1 + 4 + 4 * 16):  # the second keeps every node of 5 levels: it never stops early
+        drafter = Eagle3Drafter(tiny.heads["eagle3"], "tree", top_k=4, depth=5, total_tokens=total)
+        calls = []
+        monkeypatch.setattr(drafter, "_step", lambda *a, d=drafter, c=calls: c.append(1) or Eagle3Drafter._step(d, *a))
+        with torch.inference_mode():
+            drafter.reset(Sampling())
+            drafter.update(ids, {layer: hidden[layer] for layer in layers})
+            trees[total], steps[total] = drafter.propose(ids), len(calls)
+    small, full = trees[8], trees[69]
+    assert steps[69] == 4 and steps[8] < 4 and max(full.depths()) == 5
+    assert small.tokens == full.tokens[:7] and small.parents == full.parents[:7]
+
+
 def test_medusa_drafter(tiny: Setup):
     head = tiny.heads["medusa"]
     n = tiny.target.config.num_hidden_layers
