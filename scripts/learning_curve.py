@@ -33,7 +33,7 @@ def train_point(source: list[str], src_cfg, tokens: int, epochs: int, run_dir: P
     for stage in ("data", "extract"):
         if not (run_dir / stage).exists():
             shutil.copytree(stage_dir(src_cfg, stage), run_dir / stage, copy_function=os.link)
-    overrides = [*source, f"run_dir={run_dir}", "stages=[train,export]", f"train.data_tokens={tokens}",
+    overrides = [*(o for o in source if not o.startswith("run_dir=")), f"run_dir={run_dir}", "stages=[train,export]", f"train.data_tokens={tokens}",
                  f"train.epochs={epochs}", "train.max_minutes=null", "train.max_steps=null", "train.patience=1000",
                  *extra]
     subprocess.run([sys.executable, str(ROOT / "train/run.py"), "tracking=none", *overrides], cwd=ROOT, check=True)

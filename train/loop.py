@@ -444,7 +444,7 @@ class Trainer:
         cfg, tcfg, state = self.cfg, self.tcfg, self.state
         self.tracker = Tracker(cfg, "train", self.out / "metrics.jsonl", resume_step=state["step"])
         log(f"[train] {self.kind}: {sum(p.numel() for p in self.model.parameters() if p.requires_grad) / 1e6:.2f}M "
-            f"trainable parameters, {len(self.data.train.rows)} rows, {sum(self.data.lengths)} tokens/epoch, "
+            f"trainable parameters, {len(self.data.lengths)} rows, {sum(self.data.lengths)} tokens/epoch, "
             f"{self.data.steps_per_epoch} steps/epoch, {self.planned_steps} steps planned, "
             f"world {self.world} x accumulation {tcfg.grad_accum}, device {self.device}, {self.dtype}")
         self.run_start = time.time()  # this process (throughputs)
