@@ -28,11 +28,19 @@ from train.config import compose
 from train.stages import read_marker, stage_dir
 
 
+def link_or_copy(src: str, dst: str) -> None:
+    """Hard link (the shards are large), or copy where ``--out`` is on another filesystem."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def train_point(source: list[str], src_cfg, tokens: int, epochs: int, run_dir: Path, extra: list[str]) -> dict:
     """Train and export one point in ``run_dir`` (a rerun skips what is done); its summary."""
     for stage in ("data", "extract"):
         if not (run_dir / stage).exists():
-            shutil.copytree(stage_dir(src_cfg, stage), run_dir / stage, copy_function=os.link)
+            shutil.copytree(stage_dir(src_cfg, stage), run_dir / stage, copy_function=link_or_copy)
     overrides = [*(o for o in source if not o.startswith("run_dir=")), f"run_dir={run_dir}", "stages=[train,export]", f"train.data_tokens={tokens}",
                  f"train.epochs={epochs}", "train.max_minutes=null", "train.max_steps=null", "train.patience=1000",
                  *extra]
