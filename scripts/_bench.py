@@ -14,15 +14,23 @@ sys.path.insert(0, str(ROOT))
 from train.config import compose  # noqa: E402
 
 
-def scratch_run(source_overrides: list[str], stages: list[str], extra: list[str]):
-    """(config of a scratch run dir holding copies of ``stages`` from the source run, source config)."""
-    from train.stages import read_marker, stage_dir
+def finished_source(source_overrides: list[str], stages: list[str]):
+    """The source run's config; exits naming the command to run when one of its ``stages`` is not done."""
+    from train.stages import read_marker
 
     source = compose(["tracking=none", *source_overrides])
     for stage in stages:
         if read_marker(source, stage) is None:
             sys.exit(f"benchmark needs the {stage!r} stage of {source.run_dir}: run "
                      f"`python train/run.py {' '.join(source_overrides)} stages=[{','.join(stages)}]` first")
+    return source
+
+
+def scratch_run(source_overrides: list[str], stages: list[str], extra: list[str]):
+    """(config of a scratch run dir holding copies of ``stages`` from the source run, source config)."""
+    from train.stages import stage_dir
+
+    source = finished_source(source_overrides, stages)
     scratch = Path(tempfile.mkdtemp(prefix="specheads-bench-"))
     cfg = compose(["tracking=none", *source_overrides, f"run_dir={scratch}", *extra])
     for stage in stages:

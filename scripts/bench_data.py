@@ -43,7 +43,7 @@ def shards(cfg) -> dict:
     return out
 
 
-def rows_by_key(cfg) -> dict[str, list[int]]:
+def rows_by_key(cfg) -> dict[tuple[str, str], list[int]]:
     """Every row's token ids of ``cfg``'s dataset, by (split, prompt key)."""
     dataset = load_from_disk(str(stage_dir(cfg, "data") / "dataset"))
     return {(split, r["key"]): r["input_ids"] for split in dataset for r in dataset[split]}

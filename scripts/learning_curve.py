@@ -8,8 +8,8 @@ k = 3 for every point's export (``scripts/vllm_check.py``, one engine for all po
 
 The trailing ``key=value`` arguments compose the source run (its data and extract stages must be done);
 every point is a fresh ``train/run.py`` process in ``--out``/tokens-<N> with the data and extract stages
-hard-linked from it, running ``stages=[train,export]``. Writes ``<figure>.json`` (every figure) and
-``<figure>.png`` (the plot) and prints a table.
+hard-linked from it (copied across filesystems), running ``stages=[train,export]``. Writes
+``<figure>.json`` (every figure) and ``<figure>.png`` (the plot) and prints a table.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _bench import ROOT
+from _bench import ROOT, finished_source
 
-from train.config import compose
-from train.stages import read_marker, stage_dir
+from train.stages import stage_dir
 
 
 def link_or_copy(src: str, dst: str) -> None:
@@ -41,9 +40,9 @@ def train_point(source: list[str], src_cfg, tokens: int, epochs: int, run_dir: P
     for stage in ("data", "extract"):
         if not (run_dir / stage).exists():
             shutil.copytree(stage_dir(src_cfg, stage), run_dir / stage, copy_function=link_or_copy)
-    overrides = [*(o for o in source if not o.startswith("run_dir=")), f"run_dir={run_dir}", "stages=[train,export]", f"train.data_tokens={tokens}",
-                 f"train.epochs={epochs}", "train.max_minutes=null", "train.max_steps=null", "train.patience=1000",
-                 *extra]
+    overrides = [*(o for o in source if not o.startswith("run_dir=")), f"run_dir={run_dir}", "stages=[train,export]",
+                 f"train.data_tokens={tokens}", f"train.epochs={epochs}", "train.max_minutes=null",
+                 "train.max_steps=null", "train.patience=1000", *extra]
     subprocess.run([sys.executable, str(ROOT / "train/run.py"), "tracking=none", *overrides], cwd=ROOT, check=True)
     return json.loads((run_dir / "train" / "summary.json").read_text())
 
@@ -94,11 +93,7 @@ def main() -> None:
                     help="writes <figure>.json and <figure>.png")
     ap.add_argument("--train", action="append", default=[], help="extra override of every point (repeatable)")
     args, source = ap.parse_known_args()
-    src_cfg = compose(["tracking=none", *source])
-    for stage in ("data", "extract"):
-        if read_marker(src_cfg, stage) is None:
-            sys.exit(f"needs the {stage} stage of {src_cfg.run_dir}: run `python train/run.py {' '.join(source)} "
-                     f"stages=[data,extract]` first")
+    src_cfg = finished_source(source, ["data", "extract"])
     points, dirs = [], []
     for tokens in sorted(int(t) for t in args.tokens.split(",")):
         run_dir = (args.out / f"tokens-{tokens}").resolve()

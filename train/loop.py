@@ -340,8 +340,7 @@ def load_data(cfg: DictConfig, target, layers: list[int], device: torch.device, 
     steps_per_epoch = len(micro_batches(lengths, tcfg.micro_batch_tokens, 0)) // per_step
     if steps_per_epoch == 0:
         raise ValueError(f"not enough training rows for one step of {per_step} micro-batches")
-    return Data(Batches("train", ds["train"], captures, target, layers, device,
-                        index if len(index) < len(all_lengths) else None),
+    return Data(Batches("train", ds["train"], captures, target, layers, device, index),
                 Batches("validation", ds["validation"], captures, target, layers, device),
                 val_subset(row_lengths(ds["validation"]), tcfg.val_tokens), lengths, steps_per_epoch)
 
