@@ -6,11 +6,12 @@ cache):
 - ``baselines-<hash>.jsonl``: the per-prompt records (tokens per turn and timings) of the head-independent
   methods (:data:`SHARED_METHODS`: plain decoding and n-gram prompt lookup). The file is keyed by
   :func:`target_identity` (target files, EOS ids, machine: platform, CPUs, torch threads, device, dtype,
-  library versions) and :func:`baseline_settings` (max_new_tokens, top_p, n-gram settings, system prompt,
-  thinking); a record by the prompt's turns, the method, the temperature and (sampling only) its seed.
-  ``baselines-<hash>.key.json`` shows the key. The first head's eval writes the records as it decodes
-  them (interleaved with its own methods, as always); the next head's eval reads them instead of decoding
-  plain and n-gram again (``eval.share_baselines=false`` decodes them in its own process).
+  library versions; the decoder's timing version) and :func:`baseline_settings` (max_new_tokens, top_p,
+  n-gram settings, system prompt, thinking); a record by the prompt's turns, the method, the temperature
+  and (sampling only) its seed. ``baselines-<hash>.key.json`` shows the key. The first head's eval writes
+  the records as it decodes them (interleaved with its own methods, as always); the next head's eval reads
+  them instead of decoding plain and n-gram again (``eval.share_baselines=false`` decodes them in its own
+  process).
 - ``sizing/<hash>.json``: tree sizing measurements (:class:`JsonCache`): the target's verify time vs tree
   tokens (per target + machine, shared by the heads) and each head's acceptance curve and draft times
   (keyed by the head's identity, the train stage's output id).
@@ -33,6 +34,7 @@ import transformers
 from omegaconf import DictConfig, OmegaConf
 
 from data.formats import read_jsonl
+from eval.decoder import DECODER_VERSION
 from train.stages import digest
 
 SHARED_METHODS = ("plain", "ngram")
@@ -50,8 +52,9 @@ def machine(target) -> dict:
 
 
 def target_identity(target_fp: str, eos: Iterable[int], target) -> dict:
-    """The target's files (``train.target.target_fingerprint``), its EOS ids and the machine."""
-    return {"target": target_fp, "eos": sorted(eos), "machine": machine(target)}
+    """The target's files (``train.target.target_fingerprint``), its EOS ids, the machine and the decoder's
+    timing version (records and verify times measured by an older decoder are not reused)."""
+    return {"target": target_fp, "eos": sorted(eos), "machine": machine(target), "decoder": DECODER_VERSION}
 
 
 def baseline_settings(cfg: DictConfig) -> dict:

@@ -378,6 +378,22 @@ def test_measure_verify_time_and_draft_times(tiny: Setup):
     assert set(times) == {"update", "propose"} and all(ms > 0 for ms in times.values())
 
 
+def test_lm_head_layouts_agree_and_are_timed_once_per_row_count(tiny: Setup, monkeypatch):
+    decoder = SpecDecoder(tiny.target)   # no layout chosen yet
+    assert decoder.plain_head
+    timed, fastest = [], decoder._fastest_layout
+    monkeypatch.setattr(decoder, "_fastest_layout", lambda h: timed.append(len(h)) or fastest(h))
+    weight = decoder.lm_head
+    for rows in (1, 3, 3, 8):
+        h = torch.randn(rows, weight.shape[1])
+        assert torch.allclose(decoder.logits(h), h @ weight.T, atol=1e-5)
+        assert decoder.layouts[rows] in ("linear", "mm")
+        for layout in ("linear", "mm"):
+            decoder.layouts[rows] = layout
+            assert torch.allclose(decoder.logits(h), h @ weight.T, atol=1e-5)
+    assert timed == [1, 3, 8]
+
+
 # ---------------------------------------------------------------------------------------------------
 # The real default target (SmolLM2-135M-Instruct)
 
