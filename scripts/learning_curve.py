@@ -9,7 +9,9 @@ k = 3 for every point's export (``scripts/vllm_check.py``, one engine for all po
 The trailing ``key=value`` arguments compose the source run (its data and extract stages must be done);
 every point is a fresh ``train/run.py`` process in ``--out``/tokens-<N> with the data and extract stages
 hard-linked from it (copied across filesystems), running ``stages=[train,export]``. Writes
-``<figure>.json`` (every figure) and ``<figure>.png`` (the plot) and prints a table.
+``<figure>.json`` (every figure) and ``<figure>.png`` (the plot) and prints a table. ``--earlier <json>``
+keeps the points of an earlier curve (e.g. smaller budgets on a smaller source run) in both; every point
+names the source run it was measured on.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def vllm_taus(run_dirs: list[Path]) -> dict[Path, dict]:
         report = json.loads((d / "export" / "vllm_check.json").read_text())
         first = next(iter(report["exports"].values()))
         out[d] = {"vllm_tau": first["vllm"]["tau"], "ours_chain_tau": first["ours"]["tau"],
-                  "ngram_tau": report["ngram"]["tau"]}
+                  "ngram_tau": report["ngram"]["tau"], "ngram_tokens_per_pass": report["ngram"]["tokens_per_pass"]}
     return out
 
 
@@ -70,7 +72,9 @@ def plot(points: list[dict], path: Path, title: str) -> None:
     ax.plot(x, [p["sim_tau"] for p in points], "o-", label="validation simulated tau (7 steps)")
     if all("vllm_tau" in p for p in points):
         ax.plot(x, [p["vllm_tau"] for p in points], "s-", label="vLLM acceptance length, k = 3")
-        ax.axhline(points[-1]["ngram_tau"], color="grey", ls="--", label="vLLM n-gram, k = 3 (per drafted pass)")
+        ax.axhline(points[-1]["ngram_tau"], color="grey", ls=":", label="vLLM n-gram, k = 3: per drafted pass")
+        ax.axhline(points[-1]["ngram_tokens_per_pass"], color="grey", ls="--",
+                   label="vLLM n-gram, k = 3: tokens per target pass")
     ax.set_xscale("log")
     ax.set_xticks(x, [f"{t // 1000}k" for t in x])
     ax.minorticks_off()
@@ -92,6 +96,8 @@ def main() -> None:
     ap.add_argument("--figure", type=Path, default=ROOT / "scripts/figures/learning_curve",
                     help="writes <figure>.json and <figure>.png")
     ap.add_argument("--train", action="append", default=[], help="extra override of every point (repeatable)")
+    ap.add_argument("--earlier", type=Path, help="a curve JSON of this script whose points are kept beside the new "
+                    "ones (each point keeps the source run it was measured on)")
     args, source = ap.parse_known_args()
     src_cfg = finished_source(source, ["data", "extract"])
     points, dirs = [], []
@@ -106,6 +112,12 @@ def main() -> None:
     if args.vllm:
         for p, taus in zip(points, vllm_taus(dirs).values(), strict=True):
             p.update(taus)
+    for p in points:
+        p["source"] = source
+    if args.earlier:
+        earlier = json.loads(args.earlier.read_text())
+        points = sorted([{"source": earlier["source"], **p} for p in earlier["points"]] + points,
+                        key=lambda p: p["tokens"])
     head = src_cfg.head.name
     result = {"source": source, "head": head, "epochs": args.epochs, "train": args.train, "points": points}
     args.figure.parent.mkdir(parents=True, exist_ok=True)

@@ -121,15 +121,23 @@ def test_learning_curve(source, tmp_path):
     """Two nested points trained and exported in fresh processes; the JSON, the plot and the table."""
     import json
 
-    out = run_script("learning_curve.py", *source("eagle3"), "--tokens", "150,300", "--epochs", "1",
-                     "--out", str(tmp_path / "points"), "--figure", str(tmp_path / "curve"),
-                     "--train", "train.num_threads=1", "--train", "train.micro_batch_tokens=64",
-                     "--train", "train.warmup_steps=1", "--train", "train.eval_every=1000")
+    def curve(tokens: str, figure: str, *more: str) -> str:
+        return run_script("learning_curve.py", *source("eagle3"), "--tokens", tokens, "--epochs", "1",
+                          "--out", str(tmp_path / "points"), "--figure", str(tmp_path / figure),
+                          "--train", "train.num_threads=1", "--train", "train.micro_batch_tokens=64",
+                          "--train", "train.warmup_steps=1", "--train", "train.eval_every=1000", *more)
+
+    out = curve("150,300", "curve")
     points = json.loads((tmp_path / "curve.json").read_text())["points"]
     assert [p["budget"] for p in points] == [150, 300] and (tmp_path / "curve.png").stat().st_size > 0
     assert 150 <= points[0]["tokens"] < points[1]["tokens"] and points[0]["steps"] < points[1]["steps"]
     assert all((tmp_path / "points" / f"tokens-{t}" / "export" / "vllm" / "config.json").exists() for t in (150, 300))
     assert "== learning curve: eagle3, 1 epochs per point ==" in out and re.search(r"^\s+\d+\s+\d+\s+\d+", out, re.M)
+    # a larger budget added to the earlier curve: its points are kept, each with the run it came from
+    curve("450", "more", "--earlier", str(tmp_path / "curve.json"))
+    more = json.loads((tmp_path / "more.json").read_text())["points"]
+    assert [p["budget"] for p in more] == [150, 300, 450] and more[:2] == points
+    assert all(p["source"] == more[2]["source"] for p in more) and (tmp_path / "more.png").stat().st_size > 0
 
 
 @pytest.mark.slow
@@ -154,6 +162,19 @@ def test_make_bench_on_the_tiny_target(tmp_path):
 
 
 # --- weight decay: matrices only ------------------------------------------------------------------------
+
+def test_vllm_check_counts_tokens_per_pass_over_every_pass():
+    """A head drafts on every pass (tokens per pass = its tau); n-gram only on a match, so its tau (per
+    drafted pass) overstates what a pass yields: 2 prompts x 11 new tokens = 20 decode tokens."""
+    sys.path.insert(0, str(SCRIPTS))
+    from vllm_check import acceptance
+
+    tokens = [list(range(11))] * 2
+    head = acceptance(drafts=10, draft_tokens=30, accepted=10, accepted_per_pos=[6, 3, 1], tokens=tokens)
+    assert head["tau"] == head["tokens_per_pass"] == 2.0     # 10 passes, each 1 accepted + 1
+    ngram = acceptance(drafts=4, draft_tokens=12, accepted=8, accepted_per_pos=[4, 3, 1], tokens=tokens)
+    assert ngram["tau"] == 3.0 and ngram["tokens_per_pass"] == round(20 / 12, 4)   # 4 drafted + 8 plain passes
+
 
 def test_weight_decay_skips_norms_and_biases():
     import torch

@@ -59,6 +59,7 @@ def test_exports_run_in_vllm_like_in_our_decoder(vllm_env, tmp_path):
         print(f"{kind}: n-gram tau {ngram['tau']} ({ngram['drafts']} drafts), "
               f"identical {ngram['identical_to_no_spec']}")
         assert ngram["identical_to_no_spec"] and ngram["drafts"] > 0, "vLLM's n-gram baseline did not run"
+        assert 1.0 <= ngram["tokens_per_pass"] <= ngram["tau"]   # per pass, drafted or not
         assert set(report["exports"]) == formats
         for fmt, x in report["exports"].items():
             ours, theirs, identical = x["ours"]["tau"], x["vllm"]["tau"], x["vllm"]["identical_to_no_spec"]
@@ -74,3 +75,6 @@ def test_exports_run_in_vllm_like_in_our_decoder(vllm_env, tmp_path):
             # the engine, else a weak head could hide a broken export.
             assert abs(ours - theirs) <= TOLERANCE * theirs, f"{fmt}: taus differ by more than {TOLERANCE:.0%}"
             assert theirs - 1 > TOLERANCE * theirs, f"{fmt}: the head accepts too little to tell a broken export"
+            # a head drafts on every pass: its tokens per pass are its tau (up to the cut at max_tokens)
+            assert x["vllm"]["tokens_per_pass"] == pytest.approx(theirs, abs=0.05)
+            assert x["beats_ngram"] == (x["vllm"]["tokens_per_pass"] > ngram["tokens_per_pass"])
