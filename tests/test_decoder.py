@@ -6,6 +6,7 @@ EOS inside an accepted path, the max_new_tokens boundary, and tree sizing."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -382,11 +383,19 @@ def test_lm_head_layouts_agree_and_are_timed_once_per_row_count(tiny: Setup, mon
     decoder = SpecDecoder(tiny.target)   # no layout chosen yet
     assert decoder.plain_head
     timed, fastest = [], decoder._fastest_layout
-    monkeypatch.setattr(decoder, "_fastest_layout", lambda h: timed.append(len(h)) or fastest(h))
+
+    def slow_fastest(h):   # choosing takes 0.2 s: the decoder's clock must not see it
+        timed.append(len(h))
+        time.sleep(0.2)
+        return fastest(h)
+
+    monkeypatch.setattr(decoder, "_fastest_layout", slow_fastest)
     weight = decoder.lm_head
     for rows in (1, 3, 3, 8):
         h = torch.randn(rows, weight.shape[1])
+        start = decoder.clock()
         assert torch.allclose(decoder.logits(h), h @ weight.T, atol=1e-5)
+        assert decoder.clock() - start < 0.1
         assert decoder.layouts[rows] in ("linear", "mm")
         for layout in ("linear", "mm"):
             decoder.layouts[rows] = layout
