@@ -236,8 +236,9 @@ def assert_portable(cfg, folder):
 def test_cards_carry_hub_metadata_and_no_local_path(cfg_factory):
     from huggingface_hub import ModelCard
 
-    check = {"engine": "vllm 0.32.0", "dtype": "float32",
-             "exports": {"vllm": {"folder": "/somewhere/export/vllm", "k": 3, "vllm": {"tau": 2.31}}}}
+    check = {"engine": "vllm 0.32.0", "dtype": "float32", "ngram": {"tau": 2.49, "tokens_per_pass": 1.26},
+             "exports": {"vllm": {"folder": "/somewhere/export/vllm", "k": 3,
+                                  "vllm": {"tau": 2.31, "tokens_per_pass": 2.32}}}}
     cfg = export_with_report(cfg_factory, "model.hub_id=HuggingFaceTB/SmolLM2-135M-Instruct",
                              "publish.repo_id=someone/smol-eagle3", vllm_check=check)
     for fmt in ("vllm", "speculators", "sglang"):
@@ -258,6 +259,8 @@ def test_cards_carry_hub_metadata_and_no_local_path(cfg_factory):
         vllm_tau = [r for r in card.data.eval_results if r.metric_name.startswith("tau in vllm")]
         assert [r.metric_value for r in vllm_tau] == ([] if fmt == "speculators" else [2.31])
         text = (folder / "README.md").read_text()
+        # the n-gram comparison per target pass, for the exports the check measured (sglang: vLLM's weights)
+        assert ("2.32 tokens with this head, 1.26 with vLLM's n-gram" in text) == (fmt != "speculators")
         # The draft's location: the publish repo for the published folder (vllm), a placeholder elsewhere.
         if fmt == "vllm":
             assert '"model": "someone/smol-eagle3"' in text and "<your-hf-user>" not in text

@@ -270,14 +270,30 @@ def card_results(fmt: str, report: dict | None, vllm_check: dict | None) -> list
                     {"dataset": key[0], "metric": "speedup", "value": round(float(best["speedup"]), 3),
                      "name": f"speedup over plain decoding ({best['method']}, T={key[1]}, {where})"}]
     if vllm_check:
-        exports = vllm_check.get("exports", {})
-        x = exports.get(fmt) or (exports.get("vllm") if fmt == "sglang" else None)
+        x = checked_export(fmt, vllm_check)
         tau = (x or {}).get("vllm", {}).get("tau")
         if tau is not None:
             out.append({"dataset": "builtin", "metric": "vllm_acceptance_length", "value": round(float(tau), 3),
                         "name": f"tau in {vllm_check.get('engine', 'vllm')} (k={x.get('k')}, greedy, "
                                 f"{vllm_check.get('dtype')}, {format_name(x)} export)"})
     return out
+
+
+def checked_export(fmt: str, vllm_check: dict | None) -> dict | None:
+    """This export's entry in a scripts/vllm_check.py report (SGLang's folder holds the vLLM export's weights)."""
+    exports = (vllm_check or {}).get("exports", {})
+    return exports.get(fmt) or (exports.get("vllm") if fmt == "sglang" else None)
+
+
+def vs_ngram(fmt: str, vllm_check: dict | None) -> str | None:
+    """A sentence comparing this export with vLLM's n-gram drafter per target pass, when the check measured both."""
+    mine = ((checked_export(fmt, vllm_check) or {}).get("vllm") or {}).get("tokens_per_pass")
+    ngram = (vllm_check or {}).get("ngram") or {}
+    if not (mine and ngram.get("tokens_per_pass")):
+        return None
+    return (f"Per target pass in vLLM (the check's prompts, greedy): {mine} tokens with this head, "
+            f"{ngram['tokens_per_pass']} with vLLM's n-gram drafter on the same prompts (which drafts only where its "
+            f"lookup finds a match: {ngram.get('tau')} per drafted pass).")
 
 
 def format_name(x: dict) -> str:
@@ -344,6 +360,8 @@ def model_card(fmt: str, cfg: DictConfig, head, report: dict | None, train_summa
         lines.append("No evaluation report was found when this export was written.")
     if any(r["name"].startswith("tau in ") for r in results):
         lines.append("The model-index also holds vLLM's own acceptance length for this export (scripts/vllm_check.py).")
+    if comparison := vs_ngram(fmt, vllm_check):
+        lines.append(comparison)
     engine = "sglang" if fmt == "sglang" else "vllm"
     lines += ["", "## Serving", "", f"Checked against: {ENGINES[engine]}."]
     lines += [item for n in (draft_note, t_note) if n for item in ("", f"Note: {n}")]
