@@ -26,6 +26,9 @@ from eval.tree import DraftTree
 # (eval.shared) measured by another version are not reused.
 DECODER_VERSION = 2
 
+# The two GEMM layouts of lm_head(h) = h @ W.T for h [rows, H] (SpecDecoder.logits keeps the faster per row count).
+LM_HEAD_LAYOUTS = {"linear": lambda h, w: F.linear(h, w), "mm": lambda h, w: (w @ h.T).T}
+
 # Causal LMs whose logits are lm_head(final hidden state), nothing else (no soft-capping or scaling).
 PLAIN_HEAD = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"}
 
@@ -114,17 +117,17 @@ class SpecDecoder:
             start = self.clock()
             self.layouts[rows] = self._fastest_layout(h)
             self.tuning_s += self.clock() - start
-        return F.linear(h, self.lm_head) if self.layouts[rows] == "linear" else (self.lm_head @ h.T).T
+        return LM_HEAD_LAYOUTS[self.layouts[rows]](h, self.lm_head)
 
     def _fastest_layout(self, h: torch.Tensor, repeats: int = 3) -> str:
         """The layout of :meth:`logits` with the shorter best-of-``repeats`` time on ``h`` (after a warm-up)."""
         best = {}
-        for name, product in (("linear", lambda: F.linear(h, self.lm_head)), ("mm", lambda: (self.lm_head @ h.T).T)):
-            product()
+        for name, product in LM_HEAD_LAYOUTS.items():
+            product(h, self.lm_head)
             times = []
             for _ in range(repeats):
                 start = self.clock()
-                product()
+                product(h, self.lm_head)
                 times.append(self.clock() - start)
             best[name] = min(times)
         return min(best, key=best.get)
