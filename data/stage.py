@@ -1,11 +1,14 @@
-"""Data stage: sources -> (regenerated) conversations -> chat-templated tokens + loss masks + draft vocab.
+"""Data stage: sources -> (regenerated) conversations -> chat-templated tokens + loss masks + token counts.
 
 Writes into ``<run_dir>/data/`` (format documented in the README, "Files between stages"):
 - ``dataset/``: a ``datasets.DatasetDict`` (train, validation) with columns id, source, category,
   key (the prompts' key, :func:`data.formats.prompt_key`), input_ids (int32), loss_mask (int8: 1 on
   assistant tokens), length;
 - ``captured/``: with ``extract.source: regen``, hidden states kept while regenerating (:mod:`data.captured`);
-- ``vocab.safetensors``: d2t (int64), t2d (bool), masked_counts, all_counts (int64, train split);
+- ``vocab.safetensors``: token counts over the model's vocabulary (int64): masked_counts and all_counts of
+  the train split, validation_counts (assistant tokens of the validation split); the train stage builds the
+  draft vocabulary from them (:func:`data.vocab.build_vocab`), so ``head.draft_vocab_size`` reruns neither
+  this stage nor extract;
 - ``stats.json``: rows read/kept/dropped per reason, tokens, masked tokens, coverage, regeneration;
 - ``manifest.json``: target and tokenizer fingerprints, sizes, ``dataset_id`` (a hash of the dataset files).
 """
@@ -37,7 +40,7 @@ from data.formats import (
 from data.regenerate import cache_file, read_cache
 from data.synth import Synthesizer
 from data.template import check_template, set_thinking, tokenize_conversation, with_system
-from data.vocab import build_vocab, coverage, coverage_curve
+from data.vocab import coverage_curve
 from train.log import log, progress
 from train.stages import files_id, stage_dir
 from train.target import load_config, load_tokenizer, target_fingerprint, tokenizer_fingerprint
@@ -154,7 +157,6 @@ def run(cfg: DictConfig) -> dict:
             every += torch.bincount(ids, minlength=vocab_size)
             masked += torch.bincount(ids[torch.tensor(r["loss_mask"], dtype=torch.bool)], minlength=vocab_size)
         tally[split] = (masked, every)
-    d2t, t2d = build_vocab(*tally["train"], cfg.head.draft_vocab_size)
     held_out = tally["validation"][0] if rows["validation"] else tally["train"][0]
 
     tmp = out / "dataset.tmp"
@@ -162,7 +164,7 @@ def run(cfg: DictConfig) -> dict:
     save_dataset(rows, tmp)
     shutil.rmtree(out / "dataset", ignore_errors=True)
     tmp.rename(out / "dataset")
-    save_file({"d2t": d2t, "t2d": t2d, "masked_counts": tally["train"][0], "all_counts": tally["train"][1]},
+    save_file({"masked_counts": tally["train"][0], "all_counts": tally["train"][1], "validation_counts": held_out},
               str(out / "vocab.safetensors"))
 
     stats = {
@@ -172,9 +174,6 @@ def run(cfg: DictConfig) -> dict:
         "modified": {k: v for k, v in counts.items() if k in ("truncated_to_max_length", "answers_truncated")},
         "tokens": {s: int(tally[s][1].sum()) for s in SPLITS},
         "masked_tokens": {s: int(tally[s][0].sum()) for s in SPLITS},
-        "draft_vocab_size": int(d2t.numel()),
-        "vocab_coverage": {"train": round(coverage(tally["train"][0], t2d), 5),
-                           "validation": round(coverage(held_out, t2d), 5)},
         "validation_coverage_by_size": coverage_curve(tally["train"][0], held_out, tally["train"][1]),
         "regeneration": regen_stats,
         "synth": synth.stats or None,  # per synth source: filtering, diversity, cache
@@ -185,7 +184,6 @@ def run(cfg: DictConfig) -> dict:
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
         "target_fingerprint": target_fingerprint(cfg),
         "vocab_size": vocab_size,
-        "draft_vocab_size": int(d2t.numel()),
         "rows": stats["rows_kept"],
         "tokens": stats["tokens"],
         "dataset_id": files_id(out, ["dataset/*/*.arrow"]),  # identical datasets of sibling runs (extract.reuse)
@@ -193,8 +191,10 @@ def run(cfg: DictConfig) -> dict:
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     log(f"[data] train {len(rows['train'])} rows / {stats['tokens']['train']} tokens "
         f"({stats['masked_tokens']['train']} assistant), validation {len(rows['validation'])} rows; "
-        f"draft vocab {d2t.numel()} covers {stats['vocab_coverage']['validation']:.2%} of held-out answer tokens")
-    return {"stats": str(out / "stats.json"), **{k: stats[k] for k in ("rows_kept", "tokens", "vocab_coverage")}}
+        "held-out answer tokens covered by draft vocabularies of "
+        + (", ".join(f"{size}: {share:.1%}" for size, share in stats["validation_coverage_by_size"].items())
+           or "any size below the vocabulary: -"))
+    return {"stats": str(out / "stats.json"), **{k: stats[k] for k in ("rows_kept", "tokens")}}
 
 
 def model_vocab_size(cfg: DictConfig, tokenizer) -> int:

@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from data.formats import DataError, read_source, to_messages
 from data.regenerate import generate, read_cache, regenerate
@@ -193,12 +194,14 @@ def test_data_stage_end_to_end(cfg_factory, tmp_path):
     assert stats["rows_read"] == 8
     assert stats["dropped"] == {"malformed_json": 1, "dropped_eval_overlap": 1, "dropped_no_assistant_turn": 1}
     assert sum(stats["rows_kept"].values()) == 6
-    assert stats["draft_vocab_size"] == 40 and 0 < stats["vocab_coverage"]["train"] <= 1
+    counts = load_file(str(tmp_path / "tiny-llama/eagle3/data/vocab.safetensors"))
+    assert counts["masked_counts"].sum() < counts["all_counts"].sum() == stats["tokens"]["train"]
+    assert counts["validation_counts"].sum() == stats["masked_tokens"]["validation"]
     marker = read_marker(cfg, "data")
-    # Unchanged config: skipped (the marker is not rewritten); another vocab size: rerun.
+    # Unchanged config: skipped (the marker is not rewritten); another data.max_length: rerun.
     run_stages(cfg)
     assert read_marker(cfg, "data") == marker
-    cfg.head.draft_vocab_size = 30
+    cfg.data.max_length = 300
     run_stages(cfg)
     assert read_marker(cfg, "data")["fingerprint"] != marker["fingerprint"]
 

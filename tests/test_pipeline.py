@@ -159,6 +159,23 @@ def test_offline_training_never_loads_the_whole_target(prepared, tmp_path, monke
     assert (stage_dir(cfg, "export") / "vllm" / "model.safetensors").exists()
 
 
+def test_draft_vocab_size_reruns_only_training(prepared, tmp_path):
+    """Another head.draft_vocab_size: data and extract are kept; the head's vocabulary is the most frequent
+    answer tokens of the data stage's counts, at the new size."""
+    from data.vocab import build_vocab
+    from train.stages import read_marker
+
+    cfg = fresh_run(prepared, tmp_path, "stages=[data,extract,train]", "train.max_steps=2", "head.draft_vocab_size=48")
+    kept = {s: read_marker(cfg, s) for s in ("data", "extract")}
+    run_stages(cfg)
+    assert {s: read_marker(cfg, s) for s in ("data", "extract")} == kept
+    counts = load_file(str(stage_dir(cfg, "data") / "vocab.safetensors"))
+    d2t, t2d = build_vocab(counts["masked_counts"], counts["all_counts"], 48)
+    head = load_file(str(stage_dir(cfg, "train") / "head" / "model.safetensors"))
+    assert torch.equal(head["d2t"], d2t) and torch.equal(head["t2d"], t2d) and head["lm_head.weight"].shape[0] == 48
+    assert json.loads((stage_dir(cfg, "train") / "summary.json").read_text())["draft_vocab_size"] == 48
+
+
 def test_batches_keep_the_stored_dtype_and_prefetch_keeps_the_order(prepared, tmp_path):
     from data.stage import load_dataset, row_lengths
     from train.loop import Batches, micro_batches, prefetch

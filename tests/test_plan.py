@@ -133,12 +133,9 @@ def measure_train_step(cfg, *overrides: str) -> tuple[int, int]:
     """(planned, measured) peak bytes of one training step of ``cfg`` + ``overrides`` on its extracted data, set
     up as ``train.loop.run`` does offline (the target is never loaded), fp32 on CPU: live tensors of the second
     step (the optimizer's states exist) + the head, its buffers, the draft rows and the optimizer's states."""
-    from safetensors.torch import load_file
-
     from data.stage import load_dataset, row_lengths
-    from heads.io import build_head, head_config
     from train.extract import Captures, capture_layers
-    from train.loop import Batches, _n_steps, compute, micro_batches
+    from train.loop import Batches, _n_steps, compute, make_head, micro_batches
     from train.stages import stage_dir
     from train.target import load_weights
 
@@ -146,13 +143,7 @@ def measure_train_step(cfg, *overrides: str) -> tuple[int, int]:
     kind, dtype, device = cfg.head.type, torch.float32, torch.device("cpu")
     torch.manual_seed(0)
     weights = load_weights(cfg, dtype)
-    vocab = load_file(str(stage_dir(cfg, "data") / "vocab.safetensors"))
-    head = build_head(kind, head_config(kind, weights.config, cfg.head, vocab["d2t"].numel()))
-    head.set_vocab(vocab["d2t"], vocab["t2d"])
-    head.init_from_target(weights)
-    if kind == "eagle3" and not cfg.head.train_lm_head:
-        head.lm_head.requires_grad_(False)
-    draft_rows = weights.lm_head[head.draft_ids()].to(device, dtype)
+    head, draft_rows = make_head(cfg, weights, device, dtype)
     ds = load_dataset(cfg)
     make = Batches("train", ds["train"], Captures(stage_dir(cfg, "extract")), None,
                    capture_layers(cfg, weights.config), device)
@@ -179,7 +170,7 @@ def measure_train_step(cfg, *overrides: str) -> tuple[int, int]:
     T = max(lengths[r] for r in rows)
     like = make_cfg([*DATA, f"output_root={cfg.output_root}", *overrides, f"train.micro_batch_tokens={len(rows) * T}",
                      f"data.max_length={T}"])
-    est = planner.train_memory(like, planner.shapes(like, planner.architecture(like), vocab["d2t"].numel()), dtype, 1)
+    est = planner.train_memory(like, planner.shapes(like, planner.architecture(like)), dtype, 1)
     assert est.items["target weights"] == 0
     return est.peak, measured
 

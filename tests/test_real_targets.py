@@ -37,7 +37,7 @@ def test_twin_runs_every_stage_and_exports_completely(twin, head, tmp_path):
     config, tokenizer = load_config(cfg), load_tokenizer(cfg)
     vocab = load_file(str(stage_dir(cfg, "data") / "vocab.safetensors"))
     # Everything keyed on the target vocabulary has the model's size, whatever the tokenizer's length.
-    assert vocab["t2d"].numel() == vocab["masked_counts"].numel() == config.vocab_size >= len(tokenizer)
+    assert vocab["all_counts"].numel() == vocab["masked_counts"].numel() == config.vocab_size >= len(tokenizer)
     assert json.loads((stage_dir(cfg, "eval") / "report.json").read_text())["results"]
     target = load_target(cfg)
     for fmt in FORMATS[head]:

@@ -42,6 +42,9 @@ def fp(name: str, *overrides: str, tmp: Path) -> str:
     ("data", "data.regen.backend=openai", False),
     ("data", "data.regen.max_new_tokens=7", True),
     ("data", "train.lr=1e-5", False),
+    ("data", "head.draft_vocab_size=32", False),        # the train stage builds the vocabulary from counts
+    ("extract", "head.draft_vocab_size=32", False),
+    ("train", "head.draft_vocab_size=32", True),
     ("extract", "extract.disk_margin=2", False),
     ("extract", "extract.dtype=bfloat16", True),
     ("extract", "seed=5", False),

@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 
 from data.stage import load_dataset, row_lengths
+from data.vocab import build_vocab, coverage
 from heads.frozen import TargetWeights
 from heads.io import build_head, head_config, save_head
 from train import dist
@@ -295,15 +296,21 @@ def setup_process(cfg: DictConfig) -> tuple[torch.device, torch.dtype]:
 
 def make_head(cfg: DictConfig, weights: TargetWeights, device: torch.device,
               dtype: torch.dtype) -> tuple[torch.nn.Module, torch.Tensor]:
-    """The head to train on ``device``, initialised from the target's ``weights`` and the data stage's
-    vocabulary, and the target's lm_head rows of its draft vocabulary (in ``dtype``)."""
+    """The head to train on ``device``, initialised from the target's ``weights``, over the draft vocabulary
+    of ``head.draft_vocab_size`` built from the data stage's token counts, and the target's lm_head rows of
+    that vocabulary (in ``dtype``)."""
     kind = cfg.head.type
-    vocab = load_file(str(stage_dir(cfg, "data") / "vocab.safetensors"))
-    head = build_head(kind, head_config(kind, weights.config, cfg.head, vocab["d2t"].numel()))
-    if vocab["t2d"].numel() != head.t2d.numel():
-        raise ValueError(f"the data stage's vocabulary has {vocab['t2d'].numel()} ids but the target "
-                         f"{head.t2d.numel()}: data made for another target; rerun it with force=[data]")
-    head.set_vocab(vocab["d2t"], vocab["t2d"])
+    counts = load_file(str(stage_dir(cfg, "data") / "vocab.safetensors"))
+    vocab_size = getattr(weights.config, "text_config", weights.config).vocab_size
+    if counts["all_counts"].numel() != vocab_size:
+        raise ValueError(f"the data stage counted {counts['all_counts'].numel()} token ids but the target has "
+                         f"{vocab_size}: data made for another target; rerun it with force=[data]")
+    d2t, t2d = build_vocab(counts["masked_counts"], counts["all_counts"], cfg.head.draft_vocab_size)
+    head = build_head(kind, head_config(kind, weights.config, cfg.head, d2t.numel()))
+    head.set_vocab(d2t, t2d)
+    if "validation_counts" in counts:  # data stages before the vocabulary moved here did not store them
+        log(f"[train] draft vocabulary of {d2t.numel()} ids covers "
+            f"{coverage(counts['validation_counts'], t2d):.2%} of held-out answer tokens")
     head.init_from_target(weights, cfg.head.get("init_from_target", True))
     if kind == "eagle3" and cfg.head.layer_init is not None:
         skipped = head.init_layer_from_target(load_layer_weights(cfg, cfg.head.layer_init))
@@ -605,6 +612,7 @@ class Trainer:
                    "train_tokens_per_s": round(tokens / max(own - self.side_s, 1e-9), 1),
                    "validation_checkpoint_s": round(self.side_s, 1),
                    "data": {"rows": len(self.data.lengths), "tokens": sum(self.data.lengths)},  # the training rows used
+                   "draft_vocab_size": self.model.d2t.numel(),
                    "peak_rss_gib": round(peak_rss_gib(), 2), "history": state["history"],
                    "config": OmegaConf.to_container(self.cfg.train, resolve=True)}
         if dist.is_main():

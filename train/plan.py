@@ -105,15 +105,15 @@ class Shapes:
     captured: int                  # target layers the extract stage stores per token
 
 
-def shapes(cfg: DictConfig, config, draft_vocab: int | None = None) -> Shapes:
-    """Parameter counts of the target and the head (``draft_vocab``: the data stage's, else the config's)."""
+def shapes(cfg: DictConfig, config) -> Shapes:
+    """Parameter counts of the target and the head."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         target = AutoModelForCausalLM.from_config(config)
         kind = cfg.head.type
-        vocab = getattr(config, "text_config", config).vocab_size   # the data stage caps it at the vocabulary
-        hcfg = head_config(kind, config, cfg.head, draft_vocab or min(cfg.head.draft_vocab_size, vocab))
+        vocab = getattr(config, "text_config", config).vocab_size   # the train stage caps it at the vocabulary
+        hcfg = head_config(kind, config, cfg.head, min(cfg.head.draft_vocab_size, vocab))
         head = build_head(kind, hcfg)
     if kind == "eagle3" and not cfg.head.train_lm_head:
         head.lm_head.requires_grad_(False)
@@ -144,12 +144,6 @@ def data_tokens(cfg: DictConfig) -> tuple[dict[str, int], str]:
     return ({"train": rows * per_row - val, "validation": val},
             f"estimate: {rows} rows x {per_row} tokens/row (planner.avg_row_tokens); run the data stage or "
             "set planner.tokens for the real figure")
-
-
-def _draft_vocab(cfg: DictConfig) -> int | None:
-    """The data stage's draft vocabulary size, when it has run."""
-    path = stage_dir(cfg, "data") / "manifest.json"
-    return json.loads(path.read_text())["draft_vocab_size"] if path.exists() else None
 
 
 def _count_rows(cfg: DictConfig) -> int:
@@ -334,7 +328,7 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
     dtype = resolve_dtype(cfg.dtype, device)
     pc, tc = cfg.planner, cfg.train
     world = int(pc.world_size or os.environ.get("WORLD_SIZE", 1))
-    sh = shapes(cfg, config, _draft_vocab(cfg))
+    sh = shapes(cfg, config)
     H, V = sh.config.hidden_size, sh.head.draft_vocab_size
     tokens, tokens_source = data_tokens(cfg)
     total = sum(tokens.values())
@@ -439,7 +433,7 @@ def check_train_memory(cfg: DictConfig, device: torch.device) -> Estimate:
     log the estimate otherwise. Call first in the train stage, before anything is loaded on ``device``."""
     from train import dist
 
-    est = train_memory(cfg, shapes(cfg, architecture(cfg), _draft_vocab(cfg)), resolve_dtype(cfg.dtype, device),
+    est = train_memory(cfg, shapes(cfg, architecture(cfg)), resolve_dtype(cfg.dtype, device),
                        dist.world_size())
     free, need = _free_memory(device), est.peak * cfg.planner.headroom
     top = ", ".join(f"{k} {v / GiB:.2f}" for k, v in sorted(est.items.items(), key=lambda kv: -kv[1])[:4])

@@ -38,7 +38,7 @@ ENTRY = {
 # data stage uses it (assign_splits' seeded hash of row ids, synth sources without a seed of their own).
 # `eval.questions` is there because rows overlapping those prompts are dropped (no other eval key is).
 DEPENDS = {
-    "data": ["model", "data", "head.draft_vocab_size", "eval.questions", "seed"],
+    "data": ["model", "data", "eval.questions", "seed"],  # not head.draft_vocab_size: the train stage builds it
     "extract": ["model", "head.type", "head.aux_layers", "extract"],
     "train": ["head", "train", "seed"],
     "eval": ["eval", "seed", "data.system_prompt", "data.thinking"],
@@ -64,7 +64,7 @@ RESUMABLE = {"train": ["train.max_minutes", "train.max_steps", "train.epochs", "
 # Files whose content is a stage's output identity (hashed into `output_id` of its marker; downstream
 # fingerprints use it). Stages not listed use their own fingerprint.
 OUTPUTS = {
-    "data": ["dataset/*/*.arrow", "vocab.safetensors"],
+    "data": ["dataset/*/*.arrow"],  # vocab.safetensors holds counts of these rows
     "extract": ["manifest.json"],
     "train": ["head/*.safetensors", "head/config.json"],
 }
