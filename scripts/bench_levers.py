@@ -23,7 +23,8 @@ import shutil
 from _bench import scratch_run
 
 # "name:overrides" per head; the first row is the baseline the others are compared with.
-OBJECTIVE_VARIANTS = ["TV loss:head.loss=tv", "LK-alpha loss:head.loss=lk_alpha", "LK-lambda loss:head.loss=lk_lambda"]
+OBJECTIVE_VARIANTS = ["TV loss:head.loss=tv", "LK-alpha loss:head.loss=lk_alpha", "LK-lambda loss:head.loss=lk_lambda",
+                      "KL + top-10 (HASS):head.loss=kl_topk"]
 VARIANTS = {
     "eagle3": [
         "default:",

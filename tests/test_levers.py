@@ -98,6 +98,10 @@ def test_objectives_are_total_variation_and_the_lk_losses():
     torch.testing.assert_close(objective("tv", log_q, log_p, w), tv.mean())
     torch.testing.assert_close(1 - alpha, tv)
     torch.testing.assert_close(objective("kl", log_q, log_p, w), -(p * log_q).sum(-1).mean())
+    # kl_topk: the soft cross-entropy plus its terms over the target's 10 likeliest of 11 tokens (HASS)
+    top = p.argsort(-1, descending=True)[..., :10]
+    torch.testing.assert_close(objective("kl_topk", log_q, log_p, w),
+                               -(p * log_q).sum(-1).mean() - (p.gather(-1, top) * log_q.gather(-1, top)).sum(-1).mean())
     torch.testing.assert_close(objective("lk_alpha", log_q, log_p, w), -alpha.log().mean())
     lam = math.exp(-3.0 * alpha.mean().item())  # a constant: alpha in the blend weight is not differentiated
     reference = lam * (p * (log_p - log_q)).sum(-1).mean() + (1 - lam) * tv.mean()

@@ -81,8 +81,9 @@ def soft_ce(log_q: torch.Tensor, log_p: torch.Tensor, w: torch.Tensor) -> torch.
     return (ce * w).sum() / w.sum().clamp(min=1.0)
 
 
-OBJECTIVES = ("kl", "tv", "lk_alpha", "lk_lambda")  # head.loss of both heads (Medusa also has ce)
+OBJECTIVES = ("kl", "kl_topk", "tv", "lk_alpha", "lk_lambda")  # head.loss of both heads (Medusa also has ce)
 LK_ETA = 3.0  # LK-lambda's decay: the paper's best, the default of SpecForge, speculators and ModelOpt
+TOPK = 10     # kl_topk: HASS's top-K distillation, its K and weight 1 (arXiv 2408.15766; its reference trainer)
 
 
 def objective(kind: str, log_q: torch.Tensor, log_p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -90,6 +91,8 @@ def objective(kind: str, log_q: torch.Tensor, log_p: torch.Tensor, w: torch.Tens
     log p [B, T, V] over the draft vocabulary; alpha = sum_v min(p_v, q_v) is the acceptance probability.
 
     - ``kl``: soft cross-entropy -sum_v p_v log q_v (KL(p||q) plus the target's entropy: the same gradient).
+    - ``kl_topk``: ``kl`` plus the same sum over the target's ``TOPK`` likeliest tokens only (HASS's harmonized
+      objective distillation): the ranking of the tokens a tree drafts weighs twice.
     - ``tv``: 1 - alpha, the total variation: maximises acceptance directly; its gradient vanishes while
       the two distributions barely overlap.
     - ``lk_alpha``: -log alpha (LK-alpha): the same optimum as ``tv``, gradient scaled by 1 / alpha.
@@ -100,12 +103,15 @@ def objective(kind: str, log_q: torch.Tensor, log_p: torch.Tensor, w: torch.Tens
         return soft_ce(log_q, log_p, w)
     if kind not in OBJECTIVES:
         raise ValueError(f"head.loss must be one of {OBJECTIVES} (Medusa: or ce), got {kind!r}")
-    p = log_p.exp()
-    alpha = torch.minimum(p, log_q.exp()).sum(-1)
 
     def mean(x: torch.Tensor) -> torch.Tensor:
         return (x * w).sum() / w.sum().clamp(min=1.0)
 
+    if kind == "kl_topk":
+        top = log_p.topk(min(TOPK, log_p.shape[-1]), -1).indices
+        return soft_ce(log_q, log_p, w) + mean(-(log_p.gather(-1, top).exp() * log_q.gather(-1, top)).sum(-1))
+    p = log_p.exp()
+    alpha = torch.minimum(p, log_q.exp()).sum(-1)
     if kind == "tv":
         return mean(1 - alpha)
     if kind == "lk_alpha":
