@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from heads import Eagle3Config, Eagle3Head, MedusaConfig, MedusaHead
@@ -118,6 +119,30 @@ def test_objectives_are_total_variation_and_the_lk_losses():
         assert abs(objective(kind, log_p, log_p, w).item()) < 1e-12
     with pytest.raises(ValueError, match="head.loss must be one of"):
         objective("rkl", log_q, log_p, w)
+
+
+def test_positions_outside_the_draft_vocabulary_count_as_misses(tiny_llama_cfg):
+    """The loss leaves them out; the accuracy counts them, as misses: a smaller vocabulary is not scored on
+    easier positions only."""
+    from dataclasses import replace
+
+    from train.loop import summarise
+
+    target = load_target(tiny_llama_cfg)
+    head = tiny_eagle3(target, dv=target.config.vocab_size)
+    ids, states, lengths, mask = tiny_batch(target, [*head.config.aux_layers, target.config.num_hidden_layers])
+    view, taps = tiny_view(target, head, states), states[:, :, :-1].flatten(2)
+    view.argmax = shift(ids, 1)  # the data's next token is the target's argmax ...
+    head.logits = lambda h: 50.0 * F.one_hot(shift(ids, 2), target.config.vocab_size).float()  # ... and the draft's
+    full = eagle3_loss(head, taps, ids, lengths, mask, view, 1, 0.8, "all")
+    outside = view.in_vocab.clone()
+    outside[:, 1::2] = False
+    part_view = replace(view, in_vocab=outside)
+    part = eagle3_loss(head, taps, ids, lengths, mask, part_view, 1, 0.8, "all")
+    assert torch.equal(part.weight[0], full.weight[0])  # the same positions counted
+    assert summarise(full.correct, full.weight)["acc_0"] == 1.0
+    assert summarise(part.correct, part.weight)["acc_0"] == pytest.approx(0.5, abs=0.03)
+    assert torch.equal(weights(part_view, lengths, mask, 0, "all").bool(), part.weight[0].bool() & shift(outside, 1, False))
 
 
 def acceptance(head, taps, ids, view, lengths, mask) -> float:

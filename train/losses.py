@@ -3,9 +3,10 @@
 Shapes: B rows of padded length T; ``lengths`` [B]; ``loss_mask`` [B, T] (1 = the token at that
 position is an assistant token); ``last`` [B, T, H] the target's final (post-norm) hidden state.
 Row t of step k predicts token x[t+2+k] and its target distribution is the target's own at position
-t+1+k, restricted (and renormalised) to the draft vocabulary. A position counts only when
-the target's full-vocabulary argmax there is in the draft vocabulary, and, with
-``positions="assistant"``, when the predicted token is an assistant token.
+t+1+k, restricted (and renormalised) to the draft vocabulary. With ``positions="assistant"`` a position
+counts only when the predicted token is an assistant token. The loss leaves out the positions where the
+target's full-vocabulary argmax is outside the draft vocabulary (nothing there to learn); the accuracy
+counts them as misses (what a decoder gets there), so vocabularies of different sizes compare fairly.
 
 What the draft distribution q is fitted to the target's p with (``head.loss``, :func:`objective`): the
 acceptance probability of a drafted token is alpha = sum_v min(p_v, q_v) = 1 - TV(p, q), so ``tv`` and the
@@ -58,22 +59,31 @@ def shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, k:], pad], 1)
 
 
+def counted(lengths: torch.Tensor, loss_mask: torch.Tensor, k: int, positions: str) -> torch.Tensor:
+    """[B, T] bool: row t at step/head k predicts a token of the sequence (and, with ``positions="assistant"``,
+    an assistant token)."""
+    t = torch.arange(loss_mask.shape[1], device=lengths.device)
+    c = t[None] + 2 + k < lengths[:, None]
+    return c & shift(loss_mask.bool(), 2 + k, False) if positions == "assistant" else c
+
+
 def weights(view: TargetView, lengths: torch.Tensor, loss_mask: torch.Tensor, k: int, positions: str) -> torch.Tensor:
-    """[B, T] float weight of row t at step/head k (see the module docstring)."""
-    T = loss_mask.shape[1]
-    t = torch.arange(T, device=lengths.device)
-    w = (t[None] + 2 + k < lengths[:, None]) & shift(view.in_vocab, 1 + k, False)
-    if positions == "assistant":
-        w = w & shift(loss_mask.bool(), 2 + k, False)
-    return w.float()
+    """[B, T] float loss weight of row t at step/head k: counted, and the target's argmax is in the draft vocabulary."""
+    return (counted(lengths, loss_mask, k, positions) & shift(view.in_vocab, 1 + k, False)).float()
 
 
 @dataclass
 class StepStats:
     loss: torch.Tensor                 # weighted sum over steps (what is optimised)
     losses: list[float]                # per step
-    correct: list[torch.Tensor]        # per step, [B, T] bool (argmax agreement)
-    weight: list[torch.Tensor]         # per step, [B, T] float
+    correct: list[torch.Tensor]        # per step, [B, T] bool: the draft's argmax is the target's (full vocabulary)
+    weight: list[torch.Tensor]         # per step, [B, T] float: the positions the accuracy counts (:func:`counted`)
+
+
+def hits(log_q: torch.Tensor, view: TargetView, k: int) -> torch.Tensor:
+    """[B, T] bool: step/head k's argmax is the target's next token (never where that is outside the draft
+    vocabulary)."""
+    return (log_q.argmax(-1) == shift(view.argmax, 1 + k)) & shift(view.in_vocab, 1 + k, False)
 
 
 def soft_ce(log_q: torch.Tensor, log_p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -149,8 +159,8 @@ def eagle3_loss(head: Eagle3Head, taps: torch.Tensor, input_ids: torch.Tensor, l
         loss_k = objective(loss, log_q, shift(view.log_p, 1 + k), w)
         total = total + decay**k * loss_k
         losses.append(loss_k.item())
-        correct.append(log_q.argmax(-1) == shift(view.argmax, 1 + k))
-        ws.append(w)
+        correct.append(hits(log_q, view, k))
+        ws.append(counted(lengths, loss_mask, k, positions).float())
     return StepStats(total, losses, correct, ws)
 
 
@@ -171,6 +181,6 @@ def medusa_loss(head: MedusaHead, last: torch.Tensor, input_ids: torch.Tensor, l
             loss_k = objective(kind, log_q, shift(view.log_p, 1 + k), w)
         total = total + decay**k * loss_k
         losses.append(loss_k.item())
-        correct.append(log_q.argmax(-1) == shift(view.argmax, 1 + k))
-        ws.append(w)
+        correct.append(hits(log_q, view, k))
+        ws.append(counted(lengths, loss_mask, k, positions).float())
     return StepStats(total, losses, correct, ws)
