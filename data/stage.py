@@ -157,7 +157,7 @@ def run(cfg: DictConfig) -> dict:
             every += torch.bincount(ids, minlength=vocab_size)
             masked += torch.bincount(ids[torch.tensor(r["loss_mask"], dtype=torch.bool)], minlength=vocab_size)
         tally[split] = (masked, every)
-    held_out = tally["validation"][0] if rows["validation"] else tally["train"][0]
+    held_out = (tally["validation"] if rows["validation"] else tally["train"])[0].clone()  # a copy: safetensors refuses tensors that share memory
 
     tmp = out / "dataset.tmp"
     shutil.rmtree(tmp, ignore_errors=True)

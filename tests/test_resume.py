@@ -77,8 +77,8 @@ def test_an_identical_upstream_rerun_keeps_downstream(prepared, tmp_path):
     assert after["data"]["finished_at"] >= before["data"]["finished_at"]
     assert after["data"]["output_id"] == before["data"]["output_id"]
     assert after["extract"] == before["extract"] and after["train"] == before["train"]
-    # Rows that do change (another vocabulary size) reach the downstream fingerprints.
-    other = make_cfg([*BASE, f"output_root={tmp_path}", "head.draft_vocab_size=48", "stages=[data]"])
+    # Rows that do change (fewer prompts) reach the downstream fingerprints.
+    other = make_cfg([*BASE, f"output_root={tmp_path}", "data.sources=[{type:builtin,limit:20}]", "stages=[data]"])
     run_stages(other)
     assert read_marker(cfg, "data")["output_id"] != before["data"]["output_id"]
     assert fingerprint(other, "extract") != before["extract"]["fingerprint"]
