@@ -301,7 +301,7 @@ def make_head(cfg: DictConfig, weights: TargetWeights, device: torch.device,
     that vocabulary (in ``dtype``)."""
     kind = cfg.head.type
     counts = load_file(str(stage_dir(cfg, "data") / "vocab.safetensors"))
-    vocab_size = getattr(weights.config, "text_config", weights.config).vocab_size
+    vocab_size = weights.text_config.vocab_size
     if counts["all_counts"].numel() != vocab_size:
         raise ValueError(f"the data stage counted {counts['all_counts'].numel()} token ids but the target has "
                          f"{vocab_size}: data made for another target; rerun it with force=[data]")
