@@ -4,8 +4,9 @@ compared by validation accuracy and simulated tau (on held-out prompts).
 Each variant trains for the same wall-clock budget in a scratch copy of a finished run's data and
 extract stages (the same data for every row). Default variants (:data:`VARIANTS`): the default config,
 then one lever per row -- positions, lm_head init, TTT depth, tap noise, a random start instead of the
-draft layer started from target layer N-3 with the last-tap fc (the defaults), and the acceptance
-objectives (TV, LK-alpha, LK-lambda) instead of KL.
+draft layer started from target layer N-3 with the last-tap fc (the defaults), the other objectives (TV,
+LK-alpha, LK-lambda, HASS's top-K; KL alone for EAGLE-3, whose default adds the reverse KL, and that mix for
+Medusa), and dropout.
 
     .venv/bin/python scripts/bench_levers.py [--minutes 6] [--head eagle3|medusa] [--variant "name:key=value,key=value" ...] [key=value ...]
 
@@ -35,8 +36,11 @@ VARIANTS = {
         "random start (no layer init, random fc):head.layer_init=null,head.fc_init=random",
         "layer init, random fc:head.fc_init=random",
         *OBJECTIVE_VARIANTS,
+        "KL alone:head.loss=kl",
+        "dropout 0.1:head.dropout=0.1",
     ],
-    "medusa": ["default:", "assistant-only positions:train.positions=assistant", *OBJECTIVE_VARIANTS],
+    "medusa": ["default:", "assistant-only positions:train.positions=assistant", *OBJECTIVE_VARIANTS,
+               "forward + reverse KL:head.loss=kl_mix", "dropout 0.1:head.dropout=0.1"],
 }
 
 

@@ -1,6 +1,7 @@
 """Training levers aimed at acceptance (issue "heads that beat n-gram"): the draft layer started from a
-target layer (``head.layer_init``), the acceptance objectives (``head.loss``: TV, LK-alpha, LK-lambda),
-relative tap noise (``head.tap_noise``) and the lever table of scripts/bench_levers.py."""
+target layer (``head.layer_init``), the objectives (``head.loss``: TV, LK-alpha, LK-lambda, HASS's top-K,
+forward + reverse KL), relative tap noise (``head.tap_noise``), dropout (``head.dropout``) and the lever
+table of scripts/bench_levers.py."""
 
 from __future__ import annotations
 
@@ -103,6 +104,9 @@ def test_objectives_are_total_variation_and_the_lk_losses():
     top = p.argsort(-1, descending=True)[..., :10]
     torch.testing.assert_close(objective("kl_topk", log_q, log_p, w),
                                -(p * log_q).sum(-1).mean() - (p.gather(-1, top) * log_q.gather(-1, top)).sum(-1).mean())
+    # kl_mix: the forward and reverse KL, halves
+    torch.testing.assert_close(objective("kl_mix", log_q, log_p, w),
+                               0.5 * ((p * (log_p - log_q)).sum(-1) + (q * (log_q - log_p)).sum(-1)).mean())
     torch.testing.assert_close(objective("lk_alpha", log_q, log_p, w), -alpha.log().mean())
     lam = math.exp(-3.0 * alpha.mean().item())  # a constant: alpha in the blend weight is not differentiated
     reference = lam * (p * (log_p - log_q)).sum(-1).mean() + (1 - lam) * tv.mean()
@@ -115,7 +119,7 @@ def test_objectives_are_total_variation_and_the_lk_losses():
     g_tv = torch.autograd.grad(objective("tv", log_q, log_p, one), logits, retain_graph=True)[0]
     torch.testing.assert_close(g_alpha, g_tv / alpha[0, 0])
     # the draft equal to the target: acceptance 1, nothing left to learn
-    for kind in ("tv", "lk_alpha", "lk_lambda"):
+    for kind in ("kl_mix", "tv", "lk_alpha", "lk_lambda"):
         assert abs(objective(kind, log_p, log_p, w).item()) < 1e-12
     with pytest.raises(ValueError, match="head.loss must be one of"):
         objective("rkl", log_q, log_p, w)
@@ -213,6 +217,39 @@ def test_tap_noise_only_while_training(tiny_llama_cfg):
     assert loss(0.1) != clean
     head.eval()
     assert loss(0.1) == clean
+
+
+# --- head.dropout
+
+
+@pytest.mark.parametrize("head_type", ["eagle3", "medusa"])
+def test_dropout_only_while_training(tiny_llama_cfg, head_type):
+    """Dropout on the head's input (EAGLE-3: the taps; Medusa: the last hidden state) changes the loss while
+    training, never in eval mode, and draws nothing when off."""
+    target = load_target(tiny_llama_cfg)
+    V, n = target.config.vocab_size, target.config.num_hidden_layers
+    if head_type == "eagle3":
+        head = tiny_eagle3(target, dv=V)
+        ids, states, lengths, mask = tiny_batch(target, [*head.config.aux_layers, n])
+        taps = states[:, :, :-1].flatten(2)
+    else:
+        head = MedusaHead(MedusaConfig.from_target(target.config, HEAD_CFG, V))
+        head.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
+        ids, states, lengths, mask = tiny_batch(target, [n])
+    view = tiny_view(target, head, states)
+
+    def loss(p: float) -> float:
+        with torch.no_grad():
+            if head_type == "eagle3":
+                return eagle3_loss(head, taps, ids, lengths, mask, view, 1, 0.8, "all", "kl", 0.0, p).loss.item()
+            return medusa_loss(head, states[:, :, -1], ids, lengths, mask, view, 0.8, "all", "kl", p).loss.item()
+
+    rng = torch.get_rng_state()
+    clean = loss(0.0)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert loss(0.3) != clean
+    head.eval()
+    assert loss(0.3) == clean
 
 
 # --- scripts/bench_levers.py: one row per lever

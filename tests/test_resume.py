@@ -59,6 +59,8 @@ def fp(name: str, *overrides: str, tmp: Path) -> str:
     ("train", "eval.limit=3", False),
     ("train", "train.max_minutes=3", True),             # reruns the stage, but resumes its checkpoints
     ("train", "train.lr=1e-5", True),
+    ("train", "head.dropout=0.1", True),
+    ("train", "~head.dropout", False),                  # a run made before the key existed: 0.0 reproduces it
     ("eval", "eval.num_threads=1", False),
     ("eval", "eval.limit=3", True),
 ])

@@ -141,9 +141,10 @@ def compute(head, kind: str, batch: dict, draft_rows: torch.Tensor, cfg: DictCon
     if kind == "eagle3":
         taps = states[:, :, :-1].flatten(2).to(dtype)
         return eagle3_loss(head, taps, batch["input_ids"], batch["lengths"], batch["loss_mask"], view,
-                           steps, cfg.head.ttt_decay, positions, cfg.head.loss, cfg.head.tap_noise)
+                           steps, cfg.head.ttt_decay, positions, cfg.head.loss, cfg.head.tap_noise,
+                           cfg.head.dropout)
     return medusa_loss(head, last.to(dtype), batch["input_ids"], batch["lengths"], batch["loss_mask"], view,
-                       cfg.head.decay, positions, cfg.head.loss)
+                       cfg.head.decay, positions, cfg.head.loss, cfg.head.dropout)
 
 
 def summarise(correct: list[torch.Tensor], weight: list[torch.Tensor]) -> dict[str, float]:

@@ -91,7 +91,7 @@ def soft_ce(log_q: torch.Tensor, log_p: torch.Tensor, w: torch.Tensor) -> torch.
     return (ce * w).sum() / w.sum().clamp(min=1.0)
 
 
-OBJECTIVES = ("kl", "kl_topk", "tv", "lk_alpha", "lk_lambda")  # head.loss of both heads (Medusa also has ce)
+OBJECTIVES = ("kl", "kl_topk", "kl_mix", "tv", "lk_alpha", "lk_lambda")  # head.loss of both heads (Medusa also has ce)
 LK_ETA = 3.0  # LK-lambda's decay: the paper's best, the default of SpecForge, speculators and ModelOpt
 TOPK = 10     # kl_topk: HASS's top-K distillation, its K and weight 1 (arXiv 2408.15766; its reference trainer)
 
@@ -103,6 +103,8 @@ def objective(kind: str, log_q: torch.Tensor, log_p: torch.Tensor, w: torch.Tens
     - ``kl``: soft cross-entropy -sum_v p_v log q_v (KL(p||q) plus the target's entropy: the same gradient).
     - ``kl_topk``: ``kl`` plus the same sum over the target's ``TOPK`` likeliest tokens only (HASS's harmonized
       objective distillation): the ranking of the tokens a tree drafts weighs twice.
+    - ``kl_mix``: (KL(p||q) + KL(q||p)) / 2: the forward KL spreads q over all of p's mass, the reverse one
+      (mode-seeking) keeps q's mass where p's is, which is what greedy acceptance rewards.
     - ``tv``: 1 - alpha, the total variation: maximises acceptance directly; its gradient vanishes while
       the two distributions barely overlap.
     - ``lk_alpha``: -log alpha (LK-alpha): the same optimum as ``tv``, gradient scaled by 1 / alpha.
@@ -121,6 +123,8 @@ def objective(kind: str, log_q: torch.Tensor, log_p: torch.Tensor, w: torch.Tens
         top = log_p.topk(min(TOPK, log_p.shape[-1]), -1).indices
         return soft_ce(log_q, log_p, w) + mean(-(log_p.gather(-1, top).exp() * log_q.gather(-1, top)).sum(-1))
     p = log_p.exp()
+    if kind == "kl_mix":
+        return 0.5 * mean(((p - log_q.exp()) * (log_p - log_q)).sum(-1))  # the two KLs in one sum
     alpha = torch.minimum(p, log_q.exp()).sum(-1)
     if kind == "tv":
         return mean(1 - alpha)
@@ -141,13 +145,16 @@ def with_tap_noise(taps: torch.Tensor, std: float, n_taps: int) -> torch.Tensor:
 
 def eagle3_loss(head: Eagle3Head, taps: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor,
                 loss_mask: torch.Tensor, view: TargetView, steps: int, decay: float, positions: str,
-                loss: str = "kl", tap_noise: float = 0.0) -> StepStats:
+                loss: str = "kl", tap_noise: float = 0.0, dropout: float = 0.0) -> StepStats:
     """Training-time test: ``steps`` unrolled draft steps, each fed its own previous feature and the
     ground-truth next token; attention across steps as in :class:`heads.eagle3.TTTCache`. ``loss``: see
-    :func:`objective`; ``tap_noise``: :func:`with_tap_noise` on the taps while the head is training."""
+    :func:`objective`; while the head is training, ``tap_noise`` (:func:`with_tap_noise`) and ``dropout``
+    on the taps."""
     B, T = input_ids.shape
     if tap_noise and head.training:
         taps = with_tap_noise(taps, tap_noise, len(head.config.aux_layers))
+    if dropout and head.training:
+        taps = F.dropout(taps, dropout)
     hidden = head.project(taps)
     cache = TTTCache()
     pos = torch.arange(T, device=input_ids.device)[None].expand(B, T)
@@ -165,10 +172,13 @@ def eagle3_loss(head: Eagle3Head, taps: torch.Tensor, input_ids: torch.Tensor, l
 
 
 def medusa_loss(head: MedusaHead, last: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor,
-                loss_mask: torch.Tensor, view: TargetView, decay: float, positions: str, kind: str) -> StepStats:
+                loss_mask: torch.Tensor, view: TargetView, decay: float, positions: str, kind: str,
+                dropout: float = 0.0) -> StepStats:
     """Head k against the data token at t+2+k (``ce``) or the target's distribution there (any other
-    ``kind``: :func:`objective`)."""
+    ``kind``: :func:`objective`); ``dropout`` on ``last`` while the head is training."""
     t2d, draft_ids = head.t2d, head.draft_ids()
+    if dropout and head.training:
+        last = F.dropout(last, dropout)
     total, losses, correct, ws = 0.0, [], [], []
     for k, log_q in enumerate(torch.log_softmax(head(last).float(), -1)):
         w = weights(view, lengths, loss_mask, k, positions)

@@ -56,6 +56,9 @@ IGNORED = {
               "train.prefetch"],
     "eval": ["eval.num_threads", "eval.shared_dir"],
 }
+# Keys added after runs were made, with the value that reproduces those runs: at that value a key does not
+# count, so a finished stage (or a checkpoint) made before the key existed stays valid after an upgrade.
+ADDED = {"head.dropout": 0.0}
 # Keys that rerun the train stage (its result may differ) but keep its checkpoints: the run continues from
 # the latest checkpoint with the new value (budgets: a longer train.max_minutes continues training, the
 # schedule refitted from the current step; validation settings only change what is measured from now on).
@@ -95,13 +98,17 @@ def read_marker(cfg: DictConfig, name: str) -> dict | None:
 
 
 def config_parts(cfg: DictConfig, name: str) -> dict:
-    """The resolved values of the keys stage ``name`` depends on, :data:`IGNORED` keys removed."""
+    """The resolved values of the keys stage ``name`` depends on, :data:`IGNORED` keys removed, and
+    :data:`ADDED` keys at the value that reproduces runs made before them."""
     parts = {}
     for key in DEPENDS[name]:
         value = OmegaConf.select(cfg, key)
         parts[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-    for key in IGNORED.get(name, []):  # each lies under exactly one of the stage's DEPENDS keys
-        dep = next(d for d in DEPENDS[name] if key == d or key.startswith(d + "."))
+    dropped = IGNORED.get(name, []) + [k for k, v in ADDED.items() if OmegaConf.select(cfg, k, default=v) == v]
+    for key in dropped:
+        dep = next((d for d in DEPENDS[name] if key == d or key.startswith(d + ".")), None)
+        if dep is None:  # an ADDED key of another stage
+            continue
         if key == dep:
             parts.pop(dep, None)
             continue
