@@ -179,29 +179,38 @@ class Activations:
     transient: int      # the largest short-lived tensors on top of ``saved`` (loss, TTT attention chunk)
 
 
-def activations(sh: Shapes, kind: str, tokens: int, seq_len: int, steps: int, s: int, states_bytes: int) -> Activations:
+# [tokens, draft vocab] fp32 tensors that one draft step's objective (train.losses.objective) keeps for
+# backward, and those it holds only while it runs. kl: log q (the log_softmax output) and p = exp(log p) for the
+# product's backward; transient the shifted log p and the product. kl_mix also keeps q = exp(log q), and p - q
+# and log p - log q (the product's operands) instead of p; transient the shifted log p, p and the product.
+LOSS_TENSORS = {"kl": (2, 2), "kl_mix": (4, 3)}
+
+
+def activations(sh: Shapes, kind: str, tokens: int, seq_len: int, steps: int, s: int, states_bytes: int,
+                loss: str = "kl") -> Activations:
     """What ``train.loop.compute`` keeps alive for one micro-batch of ``tokens`` padded tokens in rows of
-    ``seq_len``: training dtype of ``s`` bytes, hidden states of the batch stored with ``states_bytes``."""
+    ``seq_len``: training dtype of ``s`` bytes, hidden states of the batch stored with ``states_bytes``;
+    ``loss``: ``head.loss`` (:data:`LOSS_TENSORS`; the other objectives are counted as ``kl``)."""
     h, N, T = sh.head, tokens, seq_len
     H, V = h.hidden_size, h.draft_vocab_size
     # Batches: states [N, layers, H], ids, mask, argmax (int64). target_view: fp32 log-probs [N, V].
     batch, log_p = N * (sh.captured * H * states_bytes + 3 * 8), N * V * F32
-    # soft_ce of the last step: the shifted target log-probs and the product, [N, V] fp32 each.
-    loss = 2 * N * V * F32
+    kept, held = LOSS_TENSORS.get(loss, LOSS_TENSORS["kl"])
+    loss_saved, transient = kept * N * V * F32, held * N * V * F32   # per step (head); the last loss's
     if kind == "medusa":
         # Per head: each ResBlock layer keeps its input (linear) and pre-activation (silu), lm_head its input;
-        # log_softmax its fp32 output; soft_ce exp(target log_p) (fp32). Heads share no weight.
-        saved = h.num_heads * N * ((2 * h.num_layers + 1) * H * s + 2 * V * F32)
-        return Activations(batch, log_p + N * H * s + saved, 0, loss)   # + the head's input in its dtype
+        # and the objective's tensors. Heads share no weight.
+        saved = h.num_heads * (N * (2 * h.num_layers + 1) * H * s + loss_saved)
+        return Activations(batch, log_p + N * H * s + saved, 0, transient)   # + the head's input in its dtype
     d, heads, inter = h.head_dim, h.num_attention_heads, h.intermediate_size
     qd, kvd = heads * d, h.num_key_value_heads * d
-    per_step = N * (s * (8 * H          # 4 RMSNorm outputs before the weight (x_normed), 2 norm outputs feeding
+    per_step = N * s * (8 * H           # 4 RMSNorm outputs before the weight (x_normed), 2 norm outputs feeding
                                         # linears (MLP, lm_head), the [emb | hidden] concat (2H)
-                         + 2 * qd       # rotated q, the attention output fed to o_proj
-                         + 2 * kvd      # rotated k and v (step 0: SDPA inputs; k > 0: the cache's diagonal)
-                         + 2 * d        # RoPE cos, sin
-                         + 4 * inter)   # MLP: gate, silu(gate), up, their product
-                    + 2 * V * F32)      # log_softmax output, exp(target log_p) in soft_ce: fp32
+                        + 2 * qd        # rotated q, the attention output fed to o_proj
+                        + 2 * kvd       # rotated k and v (step 0: SDPA inputs; k > 0: the cache's diagonal)
+                        + 2 * d         # RoPE cos, sin
+                        + 4 * inter     # MLP: gate, silu(gate), up, their product
+                        ) + loss_saved
     # Inputs of the 3 RMSNorms that need a gradient, saved by pow/mul in fp32: in fp32 the features
     # themselves (fc output + after attention + after the MLP of each step); in bf16 each norm's fp32 copy.
     norm_in = N * H * F32
@@ -214,8 +223,8 @@ def activations(sh: Shapes, kind: str, tokens: int, seq_len: int, steps: int, s:
     attention = B * heads * _ttt_rows(B, heads, T) * (T + steps - 1) * (2 * F32 + 2 * s) if steps > 1 else 0
     # The weights of a step serve every step: their gradients all exist once the last step's backward is
     # done, which has released that step's tensors and the loss tensors of the step before.
-    released = per_step + norm_in * 2 + 2 * N * V * F32 if steps > 1 else 0
-    return Activations(batch, log_p + N * 3 * H * s + saved, released, max(loss, attention))   # + taps [N, 3H]
+    released = per_step + norm_in * 2 + loss_saved if steps > 1 else 0
+    return Activations(batch, log_p + N * 3 * H * s + saved, released, max(transient, attention))   # + taps [N, 3H]
 
 
 def train_memory(cfg: DictConfig, sh: Shapes, dtype: torch.dtype, world: int) -> Estimate:
@@ -245,12 +254,13 @@ def train_memory(cfg: DictConfig, sh: Shapes, dtype: torch.dtype, world: int) ->
     grads = est.add("gradients", P * s / shard(2), "during backward" + (
         "; kept until the next backward" if fp32_accum else "; kept across micro-batches" if tc.grad_accum > 1 else ""))
     prefetch = 0 if tc.online else tc.get("prefetch", 0)
-    act = activations(sh, kind, N, T, steps, s, s if tc.online else getattr(torch, cfg.extract.dtype).itemsize)
+    act = activations(sh, kind, N, T, steps, s, s if tc.online else getattr(torch, cfg.extract.dtype).itemsize,
+                      cfg.head.loss)
     batch = est.add("batches", act.batch * (1 + prefetch), f"{N} tokens (train.micro_batch_tokens) x {1 + prefetch} "
                     "(current + train.prefetch): hidden states, ids, argmax")
     saved = est.add("activations", act.saved, "target log-probs over the draft vocabulary, saved for backward over "
                     + (f"{steps} TTT steps" if kind == "eagle3" else f"{sh.head.num_heads} heads"))
-    transient = est.add("peak transient", act.transient, "the last loss: 2 x [N, draft vocab] fp32"
+    transient = est.add("peak transient", act.transient, f"the last loss ({cfg.head.loss}): [N, draft vocab] fp32 tensors"
                         + (" | a TTT attention chunk" if steps > 1 else ""))
     held = grads if fp32_accum or tc.grad_accum > 1 else 0
     largest = sh.largest * s / shard(2)
