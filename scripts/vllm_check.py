@@ -354,6 +354,7 @@ def check(args) -> int:
     """Check every run directory (one engine process per target); write the reports; 1 on a failure."""
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from train.stages import upstream_ids
     from train.target import target_path
 
     if not args.vllm_python.exists():
@@ -367,7 +368,9 @@ def check(args) -> int:
     all_reports: dict[Path, dict] = {}
     for target_dir, members in groups.items():
         all_reports.update(reports(check_target(target_dir, members, args), args))
+    configs = {run_dir: cfg for members in groups.values() for run_dir, cfg in members}
     for run_dir, report in all_reports.items():
+        report["train_output"] = upstream_ids(configs[run_dir], "export")["train"]  # the head checked (export cards)
         (run_dir / "export" / "vllm_check.json").write_text(json.dumps(report, indent=2))
     print(table(all_reports))
     print(f"tau: {DEFINITIONS['tau']}.\nStop: {DEFINITIONS['stop']}. n-gram: {DEFINITIONS['ngram_tau']}.\n"

@@ -15,7 +15,7 @@ from heads.eagle3 import KVCache
 from tests.test_heads import HEAD_CFG, tiny_eagle3
 from train.export import ExportError, check_tensors, expected_tensors, import_export
 from train.publish import PublishError
-from train.stages import MARKER, run_stages, stage_dir
+from train.stages import MARKER, fingerprint, run_stages, stage_dir
 from train.target import load_target
 
 
@@ -210,12 +210,27 @@ def export_with_report(cfg_factory, *overrides, vllm_check: dict | None = None):
     ev = stage_dir(cfg, "eval")
     ev.mkdir(parents=True, exist_ok=True)
     (ev / "report.json").write_text(json.dumps(REPORT))
-    (ev / MARKER).write_text(json.dumps({"stage": "eval", "fingerprint": "test"}))
+    (ev / MARKER).write_text(json.dumps({"stage": "eval", "fingerprint": fingerprint(cfg, "eval")}))  # of this head
     if vllm_check is not None:
         stage_dir(cfg, "export").mkdir(parents=True, exist_ok=True)
-        (stage_dir(cfg, "export") / "vllm_check.json").write_text(json.dumps(vllm_check))
+        (stage_dir(cfg, "export") / "vllm_check.json").write_text(json.dumps({"train_output": "test", **vllm_check}))
     run_stages(cfg)
     return cfg
+
+
+def test_cards_leave_out_measurements_of_an_earlier_head(cfg_factory):
+    """After a retraining, the eval report and the vLLM check of the head before are not this head's figures:
+    the cards leave them out (they carried them while they were current)."""
+    check = {"engine": "vllm 0.32.0", "dtype": "float32", "ngram": {"tau": 2.49, "tokens_per_pass": 1.26},
+             "exports": {"vllm": {"folder": "/x/export/vllm", "k": 3, "vllm": {"tau": 2.31, "tokens_per_pass": 2.32}}}}
+    cfg = export_with_report(cfg_factory, vllm_check=check)
+    card = (stage_dir(cfg, "export") / "vllm" / "README.md").read_text()
+    assert "eagle3-tree" in card and "2.32 tokens with this head" in card
+    (stage_dir(cfg, "train") / MARKER).write_text(json.dumps({"stage": "train", "fingerprint": "retrained"}))
+    run_stages(cfg)  # the train output changed: export reruns
+    card = (stage_dir(cfg, "export") / "vllm" / "README.md").read_text()
+    assert "No evaluation report was found" in card and "eagle3-tree" not in card
+    assert "2.32 tokens with this head" not in card and "tau in vllm" not in card
 
 
 def assert_portable(cfg, folder):

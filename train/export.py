@@ -28,7 +28,7 @@ from heads import Eagle3Config, Eagle3Head, MedusaConfig, MedusaHead, load_head
 from heads.frozen import TargetWeights
 from train.errors import UserError
 from train.log import log
-from train.stages import read_marker, require, stage_dir
+from train.stages import current_marker, read_marker, require, stage_dir, upstream_ids
 from train.target import load_weights
 
 FORMATS = {"eagle3": ["vllm", "speculators", "sglang"], "medusa": ["medusa"]}
@@ -399,6 +399,26 @@ def _ids_in_file(fmt: str, c: Eagle3Config) -> list[int]:
     return [i - 1 for i in c.aux_layers] if fmt == "sglang" else list(c.aux_layers)
 
 
+def measurements(cfg: DictConfig) -> tuple[dict | None, dict | None]:
+    """The eval report and scripts/vllm_check.py's report for the model cards, each only when it measured the
+    head trained now (a report of an earlier head is left out, with a log line saying how to refresh it)."""
+    report_path = stage_dir(cfg, "eval") / "report.json"
+    report = None
+    if report_path.exists() and read_marker(cfg, "eval"):
+        if current_marker(cfg, "eval"):
+            report = json.loads(report_path.read_text())
+        else:
+            log(f"[export] {report_path} is out of date (an earlier head or eval config): left out of the model "
+                "cards; run stages=[eval,export] to measure this head")
+    check_path = stage_dir(cfg, "export") / "vllm_check.json"   # written by scripts/vllm_check.py
+    check = json.loads(check_path.read_text()) if check_path.exists() else None
+    if check and check.get("train_output") != upstream_ids(cfg, "export")["train"]:
+        log(f"[export] {check_path} checked an earlier head: left out of the model cards; rerun "
+            "scripts/vllm_check.py, then force=[export]")
+        check = None
+    return report, check
+
+
 def run(cfg: DictConfig) -> dict:
     require(cfg, "train")
     out = stage_dir(cfg, "export")
@@ -411,12 +431,9 @@ def run(cfg: DictConfig) -> dict:
     if bad:
         raise ExportError(f"formats {bad} do not apply to a {cfg.head.type} head (valid: {FORMATS[cfg.head.type]})")
     dtype = getattr(torch, cfg.export.dtype)
-    report_path = stage_dir(cfg, "eval") / "report.json"
-    report = json.loads(report_path.read_text()) if read_marker(cfg, "eval") and report_path.exists() else None
     summary_path = stage_dir(cfg, "train") / "summary.json"
     train_summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-    check_path = out / "vllm_check.json"   # scripts/vllm_check.py's report of an earlier export of this run
-    vllm_check = json.loads(check_path.read_text()) if check_path.exists() else None
+    report, vllm_check = measurements(cfg)
     written = {}
     for fmt in formats:
         tensors, config = build(fmt, head, target, cfg, dtype)

@@ -120,6 +120,13 @@ def config_parts(cfg: DictConfig, name: str) -> dict:
     return parts
 
 
+def current_marker(cfg: DictConfig, name: str) -> dict | None:
+    """The marker of stage ``name`` when what it wrote is of the current config and upstream outputs (its
+    fingerprint is today's), else None: e.g. an eval report of a head trained before."""
+    marker = read_marker(cfg, name)
+    return marker if marker and marker.get("fingerprint") == fingerprint(cfg, name) else None
+
+
 def upstream_ids(cfg: DictConfig, name: str) -> dict:
     """Each upstream stage's output identity (``output_id`` of its marker; its fingerprint for markers
     written before output ids existed; None when it has not run)."""
