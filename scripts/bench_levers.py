@@ -1,5 +1,6 @@
 """Which training levers pay on a small CPU budget: short trainings that differ in one setting each,
-compared by validation accuracy and simulated tau (on held-out prompts).
+compared by validation accuracy, simulated tau and ``decode_tau`` (on held-out prompts; ``decode_tau`` is
+what a chain decoder drafting the served k tokens per pass accepts on them, what vLLM's check measures).
 
 Each variant trains for the same wall-clock budget in a scratch copy of a finished run's data and
 extract stages (the same data for every row). Default variants (:data:`VARIANTS`): the default config,
@@ -70,15 +71,16 @@ def main() -> None:
         rows.append((name, summary))
         best = summary["best"]
         print(f"{name}: steps {summary['steps']}, {summary['tokens_per_s']:.0f} tok/s, best sim_tau "
-              f"{best['sim_tau']:.3f} chain_tau {best['chain_tau']:.3f}", flush=True)
+              f"{best['sim_tau']:.3f} chain_tau {best['chain_tau']:.3f} decode_tau {best['decode_tau']:.3f}", flush=True)
     print(f"\n== training levers: {args.head}, {args.minutes} min each, validation (held-out prompts) ==")
     print(f"{'variant':<36} {'steps':>6} {'tok/s':>6} {'acc_0':>6} {'acc_1':>6} {'acc_2':>6} {'sim_tau':>8} "
-          f"{'vs first':>8} {'chain_tau':>9}")
+          f"{'vs first':>8} {'chain_tau':>9} {'decode_tau':>10}")
     base = rows[0][1]["best"]["sim_tau"]
     for name, s in rows:
         b = s["best"]
         print(f"{name:<36} {s['steps']:6d} {s['tokens_per_s']:6.0f} {b['acc_0']:6.3f} {b.get('acc_1', 0):6.3f} "
-              f"{b.get('acc_2', 0):6.3f} {b['sim_tau']:8.3f} {b['sim_tau'] - base:+8.3f} {b['chain_tau']:9.3f}")
+              f"{b.get('acc_2', 0):6.3f} {b['sim_tau']:8.3f} {b['sim_tau'] - base:+8.3f} {b['chain_tau']:9.3f} "
+              f"{b['decode_tau']:10.3f}")
 
 
 if __name__ == "__main__":

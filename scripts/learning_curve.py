@@ -107,6 +107,7 @@ def main() -> None:
         best = s["best"]
         points.append({"tokens": s["data"]["tokens"], "budget": tokens, "rows": s["data"]["rows"], "steps": s["steps"],
                        "train_s": s["wall_s"], "sim_tau": best["sim_tau"], "chain_tau": best["chain_tau"],
+                       "decode_tau": best.get("decode_tau"),  # runs trained before it existed: None
                        **{k: best[k] for k in ("acc_0", "acc_1", "acc_2") if k in best}})
         dirs.append(run_dir)
     if args.vllm:

@@ -206,3 +206,49 @@ def test_medusa_overfits_tiny_set(tiny_llama_cfg):
     losses, accs = overfit(head, lambda: medusa_loss(head, states[:, :, -1], ids, lengths, mask, view,
                                                      0.8, "all", "ce"), 100)
     assert losses[-1] < 0.7 * losses[0]
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_validation_walk_is_what_the_chain_decoder_accepts(tiny_llama_cfg, kind):
+    """Validation's ``decode_tau`` walks the rows as a chain decoder would (passes rooted past what they
+    accepted): on a row that is the target's greedy answer it gives the decoder's own accept lengths."""
+    from eval import SpecDecoder, build_drafter
+    from train.loop import decode_walk
+
+    target = load_target(tiny_llama_cfg)
+    V, n = target.config.vocab_size, target.config.num_hidden_layers
+    if kind == "eagle3":
+        head = tiny_eagle3(target, dv=V)
+        layers = [*head.config.aux_layers, n]
+    else:
+        torch.manual_seed(0)
+        head = MedusaHead(MedusaConfig.from_target(target.config, HEAD_CFG, V))
+        head.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
+        head.init_from_target(target)
+        layers = [n]
+    prompt = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ids = target.generate(prompt, max_new_tokens=48, do_sample=False, eos_token_id=[], pad_token_id=0)
+        states = capture(target, ids, layers)
+    lengths, mask = torch.tensor([ids.shape[1]]), (torch.arange(ids.shape[1]) >= prompt.shape[1])[None].long()
+    view = tiny_view(target, head, states)
+
+    def loss():
+        if kind == "eagle3":
+            return eagle3_loss(head, states[:, :, :-1].flatten(2), ids, lengths, mask, view, 3, 0.8, "assistant")
+        return medusa_loss(head, states[:, :, -1], ids, lengths, mask, view, 0.8, "assistant", "kl")
+
+    overfit(head, loss, 25)   # part-way: some passes accept all 3 drafts, some none
+    head.eval()
+    with torch.no_grad():
+        stats = loss()
+    walked = decode_walk(stats.correct, stats.weight, 3)
+    ecfg = OmegaConf.create({"chain_k": 3, "ngram": {"min": 2, "max": 4, "k": 4}, "medusa_choices": "auto",
+                             "tree": {"top_k": 4, "depth": 4, "total_tokens": 10}})
+    with torch.inference_mode():
+        out = SpecDecoder(target).generate(prompt[0].tolist(), build_drafter(f"{kind}-chain", head, n, ecfg), 48)
+    assert out.tokens == ids[0, prompt.shape[1]:].tolist()
+    assert len(set(walked)) >= 3, walked   # a mix of accept lengths: the comparison below can fail
+    # the decoder's last pass or two may draft past the row's end, which the row cannot score
+    assert walked[:-2] == out.accept_lengths[: len(walked) - 2]
+    assert abs(len(walked) - len(out.accept_lengths)) <= 2

@@ -55,7 +55,7 @@ def source(tmp_path_factory):
 
 def test_every_script_has_a_smoke_test():
     """A new script gets a test here (or a reason not to)."""
-    covered = {"_bench.py", "bench_data.py", "bench_decode.py", "bench_extract.py", "bench_gpu_scale.py",
+    covered = {"_bench.py", "compare_heads.py", "bench_data.py", "bench_decode.py", "bench_extract.py", "bench_gpu_scale.py",
                "bench_levers.py", "bench_train.py", "bench_ttt_attention.py", "gpu_check.sh", "learning_curve.py",
                "setup_env.sh", "setup_vllm_env.sh", "vllm_check.py"}   # vllm_check.py: tests/test_vllm_check.py
     assert {p.name for p in SCRIPTS.iterdir() if p.is_file()} <= covered
@@ -138,6 +138,30 @@ def test_learning_curve(source, tmp_path):
     more = json.loads((tmp_path / "more.json").read_text())["points"]
     assert [p["budget"] for p in more] == [150, 300, 450] and more[:2] == points
     assert all(p["source"] == more[2]["source"] for p in more) and (tmp_path / "more.png").stat().st_size > 0
+
+
+def test_compare_heads(source, tmp_path):
+    """A trained head against itself: no difference and a zero interval; its decode_tau is the one the train
+    stage's validation saved with it; heads of another type than the run read are refused, naming the fix."""
+    import json
+    import shutil
+
+    from train.stages import run_stages, stage_dir
+
+    overrides = [*source("medusa"), "head=medusa"]
+    run = [*overrides, f"run_dir={tmp_path / 'run'}"]
+    cfg = make_cfg([*run, "stages=[train]", "train.max_steps=4", "train.warmup_steps=1", "train.num_threads=1"])
+    for stage in ("data", "extract"):
+        shutil.copytree(stage_dir(make_cfg(overrides), stage), stage_dir(cfg, stage))
+    run_stages(cfg)
+    head = stage_dir(cfg, "train") / "head"
+    out = run_script("compare_heads.py", str(head), str(head), *run)
+    assert "first - second: +0.000, 95% interval over rows [+0.000, +0.000]" in out, out
+    saved = json.loads((head / "metrics.json").read_text())
+    assert re.search(rf"^{re.escape(str(head))}\s+{saved['sim_tau']:.3f}\s+{saved['decode_tau']:.3f}\s+\d+$", out, re.M), out
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "compare_heads.py"), str(head), str(head), *SOURCE,
+                           f"output_root={tmp_path}"], cwd=ROOT, env=child_env(), capture_output=True, text=True)
+    assert proc.returncode != 0 and "the heads are ['medusa'], the run read is eagle3" in proc.stderr
 
 
 @pytest.mark.slow

@@ -347,7 +347,10 @@ def model_card(fmt: str, cfg: DictConfig, head, report: dict | None, train_summa
     if train_summary:
         best = train_summary.get("best", {})
         lines += ["", f"Best validation (step {best.get('step')}): simulated tau {best.get('sim_tau', 0):.3f}, "
-                  f"chain tau {best.get('chain_tau', 0):.3f}, step-0 accuracy {best.get('acc_0', 0):.3f}."]
+                  f"chain tau {best.get('chain_tau', 0):.3f}, step-0 accuracy {best.get('acc_0', 0):.3f}"
+                  + (f"; acceptance length of a chain decoder drafting {best['decode_k']} tokens per pass on these rows "
+                     f"{best['decode_tau']:.3f} (what `scripts/vllm_check.py` measures in vLLM)" if "decode_tau" in best
+                     else "") + "."]
     lines += ["", "## Measured (built-in decoder, this project's eval stage)", ""]
     if report:
         lines += ["| dataset | method | temperature | tau | tokens/s | plain tokens/s | speedup |", "|---|---|---|---|---|---|---|"]

@@ -148,8 +148,9 @@ def compute(head, kind: str, batch: dict, draft_rows: torch.Tensor, cfg: DictCon
 
 
 def summarise(correct: list[torch.Tensor], weight: list[torch.Tensor]) -> dict[str, float]:
-    """Per-step accuracy, simulated tau (1 + sum_k prod_{i<=k} acc_i) and the exact chain tau
-    (1 + sum_k share of positions where steps 0..k are all right)."""
+    """Per-step accuracy, simulated tau (1 + sum_k prod_{i<=k} acc_i) and the chain tau averaged over
+    positions (1 + sum_k share of positions where steps 0..k are all right: every position a root, where a
+    decoder roots its passes only past what it accepted; :func:`decode_walk` walks them)."""
     acc, chain, run = [], [], None
     base = weight[0] > 0
     for c, w in zip(correct, weight, strict=True):
@@ -161,6 +162,34 @@ def summarise(correct: list[torch.Tensor], weight: list[torch.Tensor]) -> dict[s
     out["sim_tau"] = 1 + sum(math.prod(acc[: k + 1]) for k in range(len(acc)))
     out["chain_tau"] = 1 + sum(chain)
     return out
+
+
+def decode_walk(correct: list[torch.Tensor], weight: list[torch.Tensor], k: int) -> list[int]:
+    """Accepted draft tokens per target pass of a chain decoder drafting ``k`` tokens per pass, walked
+    teacher-forced along each row's assistant spans ([B, T] per step, as :func:`compute` returns them): the
+    rows are the target's own greedy answers, so this is what decoding their prompts measures. A span's
+    first pass is rooted one past its first counted row (that row predicts the target's own first answer
+    token, never drafted); a pass rooted at t accepts the run of right steps from step 0 (at most k) and
+    the next pass is rooted past what it accepted."""
+    ok = torch.stack([c & (w > 0) for c, w in zip(correct[:k], weight[:k], strict=True)])
+    accepted = []
+    for run, counted in zip(ok.int().cumprod(0).sum(0).tolist(), (weight[0] > 0).tolist(), strict=True):
+        t, n = 0, len(counted)
+        while t < n:
+            if not counted[t]:
+                t += 1
+                continue
+            t += 1  # a new span
+            while t < n and counted[t]:
+                accepted.append(run[t])
+                t += run[t] + 1
+    return accepted
+
+
+def decode_k(cfg: DictConfig) -> int:
+    """Draft tokens per pass of the served chain: ``export.num_speculative_tokens`` (Medusa: its heads)."""
+    return cfg.head.num_heads if cfg.head.type != "eagle3" else min(cfg.export.num_speculative_tokens,
+                                                                       _n_steps(cfg, validation=True))
 
 
 def train_subset(lengths: list[int], max_tokens: int | None, seed: int) -> list[int]:
@@ -184,20 +213,31 @@ def val_subset(lengths: list[int], max_tokens: int | None) -> list[int]:
 
 
 @torch.no_grad()
-def validate(head, kind, cfg, batches: Batches, rows: list[int], draft_rows, max_tokens: int) -> dict[str, float]:
-    """Per-step accuracy and simulated/chain tau on ``rows`` of the validation split (assistant tokens)."""
+def validation_rows(head, kind, cfg, batches: Batches, rows: list[int], draft_rows,
+                    max_tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[int, list[int]]]:
+    """The head on ``rows`` of the validation split (assistant tokens): per step, whether each position's
+    draft is right and whether it counts (flat, for :func:`summarise`), and per row, the accepted draft
+    tokens of each pass of a chain decoder at :func:`decode_k` (:func:`decode_walk`)."""
     head.eval()
-    correct, weight = None, None
+    correct, weight, walks, k = [], [], {}, decode_k(cfg)
     lengths = row_lengths(batches.rows)
     for batch in micro_batches([lengths[r] for r in rows], max_tokens, 0, shuffle=False):
         stats = compute(head, kind, batches([rows[i] for i in batch]), draft_rows, cfg, "assistant",
                         _n_steps(cfg, validation=True))
-        flat_c = [c.flatten() for c in stats.correct]
-        flat_w = [w.flatten() for w in stats.weight]
-        correct = flat_c if correct is None else [torch.cat([a, b]) for a, b in zip(correct, flat_c, strict=True)]
-        weight = flat_w if weight is None else [torch.cat([a, b]) for a, b in zip(weight, flat_w, strict=True)]
+        correct.append([c.flatten() for c in stats.correct])
+        weight.append([w.flatten() for w in stats.weight])
+        for j, i in enumerate(batch):
+            walks[rows[i]] = decode_walk([c[j: j + 1] for c in stats.correct], [w[j: j + 1] for w in stats.weight], k)
     head.train()
-    return summarise(correct, weight)
+    return [torch.cat(c) for c in zip(*correct, strict=True)], [torch.cat(w) for w in zip(*weight, strict=True)], walks
+
+
+def validate(head, kind, cfg, batches: Batches, rows: list[int], draft_rows, max_tokens: int) -> dict[str, float]:
+    """Per-step accuracy, simulated/chain tau and the chain decoder's tau at :func:`decode_k` (``decode_tau``)
+    on ``rows`` of the validation split (assistant tokens)."""
+    correct, weight, walks = validation_rows(head, kind, cfg, batches, rows, draft_rows, max_tokens)
+    passes = [a for walk in walks.values() for a in walk]
+    return {**summarise(correct, weight), "decode_tau": 1 + sum(passes) / max(len(passes), 1), "decode_k": decode_k(cfg)}
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float, segment: list | None = None) -> float:
@@ -554,7 +594,7 @@ class Trainer:
         state["history"].append({"step": state["step"], "reason": reason, **metrics})
         self.tracker.log({f"val/{k}": v for k, v in metrics.items()}, step=state["step"])
         log(f"[train] step {state['step']} validation ({reason}): sim_tau {metrics['sim_tau']:.3f}, chain_tau "
-            f"{metrics['chain_tau']:.3f}, acc "
+            f"{metrics['chain_tau']:.3f}, decode_tau {metrics['decode_tau']:.3f} (k={metrics['decode_k']}), acc "
             + " ".join(f"{metrics[f'acc_{k}']:.2f}" for k in range(_n_steps(self.cfg, validation=True)))
             + (" *best*" if improved else ""))
         self.side_s += time.time() - t0
