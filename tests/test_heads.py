@@ -242,7 +242,7 @@ def test_validation_walk_is_what_the_chain_decoder_accepts(tiny_llama_cfg, kind)
     head.eval()
     with torch.no_grad():
         stats = loss()
-    walked = decode_walk(stats.correct, stats.weight, 3)
+    (walked,) = decode_walk(stats.correct, stats.weight, 3)
     ecfg = OmegaConf.create({"chain_k": 3, "ngram": {"min": 2, "max": 4, "k": 4}, "medusa_choices": "auto",
                              "tree": {"top_k": 4, "depth": 4, "total_tokens": 10}})
     with torch.inference_mode():

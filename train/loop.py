@@ -164,17 +164,17 @@ def summarise(correct: list[torch.Tensor], weight: list[torch.Tensor]) -> dict[s
     return out
 
 
-def decode_walk(correct: list[torch.Tensor], weight: list[torch.Tensor], k: int) -> list[int]:
-    """Accepted draft tokens per target pass of a chain decoder drafting ``k`` tokens per pass, walked
-    teacher-forced along each row's assistant spans ([B, T] per step, as :func:`compute` returns them): the
-    rows are the target's own greedy answers, so this is what decoding their prompts measures. A span's
-    first pass is rooted one past its first counted row (that row predicts the target's own first answer
-    token, never drafted); a pass rooted at t accepts the run of right steps from step 0 (at most k) and
-    the next pass is rooted past what it accepted."""
+def decode_walk(correct: list[torch.Tensor], weight: list[torch.Tensor], k: int) -> list[list[int]]:
+    """Per row, the accepted draft tokens of each target pass of a chain decoder drafting ``k`` tokens per
+    pass, walked teacher-forced along the row's assistant spans ([B, T] per step, as :func:`compute` returns
+    them): the rows are the target's own greedy answers, so this is what decoding their prompts measures. A
+    span's first pass is rooted one past its first counted row (that row predicts the target's own first
+    answer token, never drafted); a pass rooted at t accepts the run of right steps from step 0 (at most k)
+    and the next pass is rooted past what it accepted."""
     ok = torch.stack([c & (w > 0) for c, w in zip(correct[:k], weight[:k], strict=True)])
-    accepted = []
+    walks = []
     for run, counted in zip(ok.int().cumprod(0).sum(0).tolist(), (weight[0] > 0).tolist(), strict=True):
-        t, n = 0, len(counted)
+        accepted, t, n = [], 0, len(counted)
         while t < n:
             if not counted[t]:
                 t += 1
@@ -183,7 +183,8 @@ def decode_walk(correct: list[torch.Tensor], weight: list[torch.Tensor], k: int)
             while t < n and counted[t]:
                 accepted.append(run[t])
                 t += run[t] + 1
-    return accepted
+        walks.append(accepted)
+    return walks
 
 
 def decode_k(cfg: DictConfig) -> int:
@@ -226,8 +227,7 @@ def validation_rows(head, kind, cfg, batches: Batches, rows: list[int], draft_ro
                         _n_steps(cfg, validation=True))
         correct.append([c.flatten() for c in stats.correct])
         weight.append([w.flatten() for w in stats.weight])
-        for j, i in enumerate(batch):
-            walks[rows[i]] = decode_walk([c[j: j + 1] for c in stats.correct], [w[j: j + 1] for w in stats.weight], k)
+        walks.update(zip((rows[i] for i in batch), decode_walk(stats.correct, stats.weight, k), strict=True))
     head.train()
     return [torch.cat(c) for c in zip(*correct, strict=True)], [torch.cat(w) for w in zip(*weight, strict=True)], walks
 
