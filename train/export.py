@@ -348,7 +348,7 @@ def model_card(fmt: str, cfg: DictConfig, head, report: dict | None, train_summa
         best = train_summary.get("best", {})
         lines += ["", f"Best validation (step {best.get('step')}): simulated tau {best.get('sim_tau', 0):.3f}, "
                   f"chain tau {best.get('chain_tau', 0):.3f}, step-0 accuracy {best.get('acc_0', 0):.3f}"
-                  + (f"; acceptance length of a chain decoder drafting {best['decode_k']} tokens per pass on these rows "
+                  + (f"; acceptance length of a chain decoder drafting {best['decode_k']} tokens per pass on the held-out answers "
                      f"{best['decode_tau']:.3f} (what `scripts/vllm_check.py` measures in vLLM)" if "decode_tau" in best
                      else "") + "."]
     lines += ["", "## Measured (built-in decoder, this project's eval stage)", ""]
