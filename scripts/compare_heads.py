@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from heads.io import head_type, load_head  # noqa: E402
 from train.config import compose  # noqa: E402
 from train.extract import capture_layers  # noqa: E402
-from train.loop import decode_k, load_data, summarise, validation_rows  # noqa: E402
+from train.loop import decode_k, decode_tau, load_data, summarise, validation_rows  # noqa: E402
 from train.target import load_weights  # noqa: E402
 
 
@@ -63,8 +63,8 @@ def main() -> None:
         rows = weights.lm_head[head.draft_ids()]
         correct, weight, walks = validation_rows(head, cfg.head.type, cfg, data.val, data.val_rows, rows,
                                                  max(cfg.train.micro_batch_tokens, 2048))
-        passes = [a for walk in walks.values() for a in walk]
-        scores.append((summarise(correct, weight)["sim_tau"], 1 + sum(passes) / max(len(passes), 1), len(passes), walks))
+        passes = sum(map(len, walks.values()))
+        scores.append((summarise(correct, weight)["sim_tau"], decode_tau(walks.values()), passes, walks))
     (sim_a, tau_a, _, walks_a), (sim_b, tau_b, _, walks_b) = scores
     order = sorted(walks_a)
     low, high = paired_interval([walks_a[r] for r in order], [walks_b[r] for r in order], args.samples)

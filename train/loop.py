@@ -187,6 +187,12 @@ def decode_walk(correct: list[torch.Tensor], weight: list[torch.Tensor], k: int)
     return walks
 
 
+def decode_tau(walks: Iterable[list[int]]) -> float:
+    """Acceptance length (1 + accepted draft tokens per pass) over the passes of :func:`decode_walk` rows."""
+    passes = [a for walk in walks for a in walk]
+    return 1 + sum(passes) / max(len(passes), 1)
+
+
 def decode_k(cfg: DictConfig) -> int:
     """Draft tokens per pass of the served chain: ``export.num_speculative_tokens`` (Medusa: its heads)."""
     return cfg.head.num_heads if cfg.head.type != "eagle3" else min(cfg.export.num_speculative_tokens,
@@ -236,8 +242,7 @@ def validate(head, kind, cfg, batches: Batches, rows: list[int], draft_rows, max
     """Per-step accuracy, simulated/chain tau and the chain decoder's tau at :func:`decode_k` (``decode_tau``)
     on ``rows`` of the validation split (assistant tokens)."""
     correct, weight, walks = validation_rows(head, kind, cfg, batches, rows, draft_rows, max_tokens)
-    passes = [a for walk in walks.values() for a in walk]
-    return {**summarise(correct, weight), "decode_tau": 1 + sum(passes) / max(len(passes), 1), "decode_k": decode_k(cfg)}
+    return {**summarise(correct, weight), "decode_tau": decode_tau(walks.values()), "decode_k": decode_k(cfg)}
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float, segment: list | None = None) -> float:
