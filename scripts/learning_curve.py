@@ -61,20 +61,31 @@ def vllm_taus(run_dirs: list[Path]) -> dict[Path, dict]:
     return out
 
 
-def plot(points: list[dict], path: Path, title: str) -> None:
+def label(train: list[str]) -> str:
+    """A curve's name in the plot: its ``--train`` overrides, or the defaults."""
+    return " ".join(train) or "defaults"
+
+
+def plot(curves: list[dict], path: Path, title: str) -> None:
+    """Acceptance vs tokens of ``curves`` (results of this script): the first solid, the others dash-dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    x = [p["tokens"] for p in points]
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    ax.plot(x, [p["sim_tau"] for p in points], "o-", label="validation simulated tau (7 steps)")
+    for i, c in enumerate(curves):
+        name, style = f" ({label(c['train'])})" if len(curves) > 1 else "", "-." if i else "-"
+        x = [p["tokens"] for p in c["points"]]
+        ax.plot(x, [p["sim_tau"] for p in c["points"]], "o" + style, label="validation simulated tau (7 steps)" + name)
+        if all("vllm_tau" in p for p in c["points"]):
+            ax.plot(x, [p["vllm_tau"] for p in c["points"]], "s" + style, label="vLLM acceptance length, k = 3" + name)
+    points = curves[0]["points"]
     if all("vllm_tau" in p for p in points):
-        ax.plot(x, [p["vllm_tau"] for p in points], "s-", label="vLLM acceptance length, k = 3")
         ax.axhline(points[-1]["ngram_tau"], color="grey", ls=":", label="vLLM n-gram, k = 3: per drafted pass")
         ax.axhline(points[-1]["ngram_tokens_per_pass"], color="grey", ls="--",
                    label="vLLM n-gram, k = 3: tokens per target pass")
+    x = sorted({p["tokens"] for c in curves for p in c["points"]})
     ax.set_xscale("log")
     ax.set_xticks(x, [f"{t // 1000}k" for t in x])
     ax.minorticks_off()
@@ -98,6 +109,8 @@ def main() -> None:
     ap.add_argument("--train", action="append", default=[], help="extra override of every point (repeatable)")
     ap.add_argument("--earlier", type=Path, help="a curve JSON of this script whose points are kept beside the new "
                     "ones (each point keeps the source run it was measured on)")
+    ap.add_argument("--beside", type=Path, action="append", default=[], help="a curve JSON of this script (e.g. "
+                    "another config on the same data) drawn beside this one, named by its --train overrides")
     args, source = ap.parse_known_args()
     src_cfg = finished_source(source, ["data", "extract"])
     points, dirs = [], []
@@ -120,10 +133,12 @@ def main() -> None:
         points = sorted([{"source": earlier["source"], **p} for p in earlier["points"]] + points,
                         key=lambda p: p["tokens"])
     head = src_cfg.head.name
-    result = {"source": source, "head": head, "epochs": args.epochs, "train": args.train, "points": points}
+    beside = [json.loads(p.read_text()) for p in args.beside]
+    result = {"source": source, "head": head, "epochs": args.epochs, "train": args.train, "points": points,
+              "beside": [{k: b[k] for k in ("source", "train", "points")} for b in beside]}
     args.figure.parent.mkdir(parents=True, exist_ok=True)
     args.figure.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    plot(points, args.figure.with_suffix(".png"),
+    plot([result, *beside], args.figure.with_suffix(".png"),
          f"{head} on {src_cfg.model.name}: {args.epochs} epochs per point, held-out prompts")
     print(f"\n== learning curve: {head}, {args.epochs} epochs per point ==")
     print(f"{'tokens':>8} {'rows':>5} {'steps':>6} {'train s':>8} {'acc_0':>6} {'sim_tau':>8} {'vllm_tau':>9} {'ngram':>6}")

@@ -134,10 +134,13 @@ def test_learning_curve(source, tmp_path):
     assert all((tmp_path / "points" / f"tokens-{t}" / "export" / "vllm" / "config.json").exists() for t in (150, 300))
     assert "== learning curve: eagle3, 1 epochs per point ==" in out and re.search(r"^\s+\d+\s+\d+\s+\d+", out, re.M)
     # a larger budget added to the earlier curve: its points are kept, each with the run it came from
-    curve("450", "more", "--earlier", str(tmp_path / "curve.json"))
-    more = json.loads((tmp_path / "more.json").read_text())["points"]
+    # ... and another curve drawn beside it: recorded with its own overrides, the points still this curve's
+    curve("450", "more", "--earlier", str(tmp_path / "curve.json"), "--beside", str(tmp_path / "curve.json"))
+    result = json.loads((tmp_path / "more.json").read_text())
+    more = result["points"]
     assert [p["budget"] for p in more] == [150, 300, 450] and more[:2] == points
     assert all(p["source"] == more[2]["source"] for p in more) and (tmp_path / "more.png").stat().st_size > 0
+    assert [b["points"] for b in result["beside"]] == [points]
 
 
 def test_compare_heads(source, tmp_path):
