@@ -61,9 +61,9 @@ def vllm_taus(run_dirs: list[Path]) -> dict[Path, dict]:
     return out
 
 
-def label(train: list[str]) -> str:
-    """A curve's name in the plot: its ``--train`` overrides, or the defaults."""
-    return " ".join(train) or "defaults"
+def label(curve: dict) -> str:
+    """A curve's name in the plot: its epochs and ``--train`` overrides."""
+    return " ".join([f"{curve['epochs']} epochs", *curve["train"]])
 
 
 def plot(curves: list[dict], path: Path, title: str) -> None:
@@ -75,7 +75,7 @@ def plot(curves: list[dict], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for i, c in enumerate(curves):
-        name, style = f" ({label(c['train'])})" if len(curves) > 1 else "", "-." if i else "-"
+        name, style = f" ({label(c)})" if len(curves) > 1 else "", "-." if i else "-"
         x = [p["tokens"] for p in c["points"]]
         ax.plot(x, [p["sim_tau"] for p in c["points"]], "o" + style, label="validation simulated tau (7 steps)" + name)
         if all("vllm_tau" in p for p in c["points"]):
@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--earlier", type=Path, help="a curve JSON of this script whose points are kept beside the new "
                     "ones (each point keeps the source run it was measured on)")
     ap.add_argument("--beside", type=Path, action="append", default=[], help="a curve JSON of this script (e.g. "
-                    "another config on the same data) drawn beside this one, named by its --train overrides")
+                    "another config on the same data) drawn beside this one, named by its epochs and --train overrides")
     args, source = ap.parse_known_args()
     src_cfg = finished_source(source, ["data", "extract"])
     points, dirs = [], []
@@ -135,11 +135,11 @@ def main() -> None:
     head = src_cfg.head.name
     beside = [json.loads(p.read_text()) for p in args.beside]
     result = {"source": source, "head": head, "epochs": args.epochs, "train": args.train, "points": points,
-              "beside": [{k: b[k] for k in ("source", "train", "points")} for b in beside]}
+              "beside": [{k: b[k] for k in ("source", "epochs", "train", "points")} for b in beside]}
     args.figure.parent.mkdir(parents=True, exist_ok=True)
     args.figure.with_suffix(".json").write_text(json.dumps(result, indent=2))
     plot([result, *beside], args.figure.with_suffix(".png"),
-         f"{head} on {src_cfg.model.name}: {args.epochs} epochs per point, held-out prompts")
+         f"{head} on {src_cfg.model.name}: {'' if beside else f'{args.epochs} epochs per point, '}held-out prompts")
     print(f"\n== learning curve: {head}, {args.epochs} epochs per point ==")
     print(f"{'tokens':>8} {'rows':>5} {'steps':>6} {'train s':>8} {'acc_0':>6} {'sim_tau':>8} {'vllm_tau':>9} {'ngram':>6}")
     for p in points:
