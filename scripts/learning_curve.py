@@ -11,7 +11,8 @@ every point is a fresh ``train/run.py`` process in ``--out``/tokens-<N> with the
 hard-linked from it (copied across filesystems), running ``stages=[train,export]``. Writes
 ``<figure>.json`` (every figure) and ``<figure>.png`` (the plot) and prints a table. ``--earlier <json>``
 keeps the points of an earlier curve (e.g. smaller budgets on a smaller source run) in both; every point
-names the source run it was measured on.
+names the source run it was measured on. ``--beside <json>`` (repeatable) draws another curve of this script
+beside this one (another config or other epochs on the same data), named by its epochs and ``--train``.
 """
 
 from __future__ import annotations
