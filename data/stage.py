@@ -9,7 +9,7 @@ Writes into ``<run_dir>/data/`` (format documented in the README, "Files between
   the train split, validation_counts (assistant tokens of the validation split); the train stage builds the
   draft vocabulary from them (:func:`data.vocab.build_vocab`), so ``head.draft_vocab_size`` reruns neither
   this stage nor extract;
-- ``stats.json``: rows read/kept/dropped per reason, tokens, masked tokens, coverage, regeneration;
+- ``stats.json``: rows read/kept/dropped per reason, training rows left out (``data.train_rows``), tokens, masked tokens, coverage, regeneration;
 - ``manifest.json``: target and tokenizer fingerprints, sizes, ``dataset_id`` (a hash of the dataset files).
 """
 
@@ -76,6 +76,16 @@ def assign_splits(convs: list[dict], fraction: float, seed: int) -> None:
         conv["split"] = "validation" if i < n_val else "train"
 
 
+def sample_train_rows(convs: list[dict], n: int | None, seed: int) -> list[dict]:
+    """``data.train_rows``: a seeded random ``n`` of the training rows (nested: a smaller ``n`` keeps a subset of
+    a larger one's rows), every validation row, in their order; all rows when ``n`` is None."""
+    train = [c for c in convs if c["split"] == "train"]
+    if n is None or n >= len(train):
+        return convs
+    kept = {id(c) for c in sorted(train, key=lambda c: random.Random(f"{seed}-rows-{c['id']}").random())[:n]}
+    return [c for c in convs if c["split"] != "train" or id(c) in kept]
+
+
 def run(cfg: DictConfig) -> dict:
     dcfg = cfg.data
     out = stage_dir(cfg, "data")
@@ -97,6 +107,9 @@ def run(cfg: DictConfig) -> dict:
             continue
         kept.append(conv)
     assign_splits(kept, dcfg.validation_fraction, cfg.seed)  # after the drops: held-out rows are kept
+    sampled = sample_train_rows(kept, dcfg.get("train_rows"), cfg.seed)  # before regeneration: only these are answered
+    counts["train_rows_left_out"] = len(kept) - len(sampled)
+    kept = sampled
     if counts["dropped_eval_overlap"]:
         log(f"[data] dropped {counts['dropped_eval_overlap']} conversations overlapping evaluation prompts")
     convs = kept
@@ -169,6 +182,7 @@ def run(cfg: DictConfig) -> dict:
 
     stats = {
         "rows_read": counts.pop("rows_read", 0),
+        "train_rows_left_out": counts.pop("train_rows_left_out", 0),  # data.train_rows
         "rows_kept": {s: len(rows[s]) for s in SPLITS},
         "dropped": {k: v for k, v in counts.items() if k.startswith("dropped") or k in ("bad_row", "malformed_json")},
         "modified": {k: v for k, v in counts.items() if k in ("truncated_to_max_length", "answers_truncated")},

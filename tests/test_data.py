@@ -204,6 +204,13 @@ def test_data_stage_end_to_end(cfg_factory, tmp_path):
     cfg.data.max_length = 300
     run_stages(cfg)
     assert read_marker(cfg, "data")["fingerprint"] != marker["fingerprint"]
+    # data.train_rows: 2 of the 5 training rows (before the row without an answer is dropped), validation kept.
+    cfg.data.train_rows = 2
+    run_stages(cfg)
+    sampled = json.loads((tmp_path / "tiny-llama/eagle3/data/stats.json").read_text())
+    assert sampled["train_rows_left_out"] == 3 and stats["train_rows_left_out"] == 0
+    assert sampled["rows_kept"]["validation"] == stats["rows_kept"]["validation"]
+    assert 1 <= sampled["rows_kept"]["train"] <= 2 < stats["rows_kept"]["train"]
 
 
 def test_empty_dataset_is_a_clear_error(cfg_factory, tmp_path):

@@ -12,7 +12,7 @@ import datasets
 import pytest
 
 from data.formats import DataError
-from data.stage import SPLITS, assign_splits, save_dataset
+from data.stage import SPLITS, assign_splits, sample_train_rows, save_dataset
 from tests.conftest import ROOT, make_cfg
 from train.errors import ConfigError, MissingStageError, UserError
 
@@ -106,6 +106,18 @@ def test_rows_without_a_split_hold_out_a_share(n, fraction, expected):
     again = [_conv(i) for i in reversed(range(n))]  # the order of the file does not matter
     assign_splits(again, fraction, seed=0)
     assert {c["id"] for c in again if c["split"] == "validation"} == {c["id"] for c in convs[:n] if c["split"] == "validation"}
+
+
+def test_train_rows_keep_a_nested_seeded_subset_and_every_validation_row():
+    convs = [_conv(i, "validation" if i % 5 == 0 else "train") for i in range(50)]
+    ids = lambda rows: [c["id"] for c in rows]  # noqa: E731
+    assert sample_train_rows(convs, None, seed=0) == convs and sample_train_rows(convs, 40, seed=0) == convs
+    small, large = sample_train_rows(convs, 10, seed=0), sample_train_rows(convs, 20, seed=0)
+    assert sum(c["split"] == "train" for c in small) == 10 and sum(c["split"] == "train" for c in large) == 20
+    assert [c for c in small if c["split"] == "validation"] == [c for c in convs if c["split"] == "validation"]
+    assert set(ids(small)) < set(ids(large)) and ids(small) == [i for i in ids(convs) if i in set(ids(small))]
+    shuffled = sample_train_rows(list(reversed(convs)), 10, seed=0)  # the file's order does not choose the rows
+    assert set(ids(shuffled)) == set(ids(small)) and set(ids(sample_train_rows(convs, 10, seed=1))) != set(ids(small))
 
 
 def test_bad_split_value_is_a_data_error():

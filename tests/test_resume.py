@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 import train.loop
@@ -61,11 +62,20 @@ def fp(name: str, *overrides: str, tmp: Path) -> str:
     ("train", "train.lr=1e-5", True),
     ("train", "head.dropout=0.1", True),
     ("train", "~head.dropout", False),                  # a run made before the key existed: 0.0 reproduces it
+    ("data", "data.train_rows=3", True),
     ("eval", "eval.num_threads=1", False),
     ("eval", "eval.limit=3", True),
 ])
 def test_fingerprints_count_only_what_changes_the_result(tmp_path, stage, override, counts):
     assert (fp(stage, override, tmp=tmp_path) != fp(stage, tmp=tmp_path)) is counts
+
+
+def test_a_data_run_made_before_train_rows_stays_valid(tmp_path):
+    """data.train_rows=null (all rows) reproduces runs made before the key (Hydra cannot delete a null key)."""
+    cfg = make_cfg(BASE, tmp_path)
+    before = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "data"])
+    before.data = OmegaConf.masked_copy(cfg.data, [k for k in cfg.data if k != "train_rows"])
+    assert "train_rows" not in before.data and fingerprint(before, "data") == fingerprint(cfg, "data")
 
 
 def test_an_identical_upstream_rerun_keeps_downstream(prepared, tmp_path):
