@@ -9,7 +9,8 @@ Writes into ``<run_dir>/data/`` (format documented in the README, "Files between
   the train split, validation_counts (assistant tokens of the validation split); the train stage builds the
   draft vocabulary from them (:func:`data.vocab.build_vocab`), so ``head.draft_vocab_size`` reruns neither
   this stage nor extract;
-- ``stats.json``: rows read/kept/dropped per reason, training rows left out (``data.train_rows``), tokens, masked tokens, coverage, regeneration;
+- ``stats.json``: rows read/kept/dropped per reason, training rows left out (``data.train_rows``), tokens,
+  masked tokens, coverage, regeneration;
 - ``manifest.json``: target and tokenizer fingerprints, sizes, ``dataset_id`` (a hash of the dataset files).
 """
 

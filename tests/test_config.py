@@ -143,6 +143,7 @@ def test_every_sized_key_rejects_a_non_number(key):
     ("head.draft_vocab_size=1.5", "head.draft_vocab_size=1.5 must be an integer >= 1"),
     ("data.validation_fraction=1.0", "data.validation_fraction=1.0 must be a number in [0, 1)"),
     ("head.dropout=1.0", "head.dropout=1.0 must be a number in [0, 1)"),
+    ("data.train_rows=-5", "data.train_rows=-5 must be an integer >= 1 or null"),
     ("train.lr=0", "train.lr=0 must be a number > 0"),
     ("eval.tree.total_tokens=0", "eval.tree.total_tokens=0 must be an integer >= 1 or auto"),
     ("device=cuda:x", "device='cuda:x' is not valid"),
