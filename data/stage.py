@@ -62,6 +62,11 @@ def eval_prompt_set(cfg: DictConfig) -> set[str]:
     return prompts
 
 
+def seeded_order(convs: list[dict], tag: str) -> list[dict]:
+    """``convs`` sorted by a hash of ``tag`` and their id: a seeded order that does not depend on the file's."""
+    return sorted(convs, key=lambda c: random.Random(f"{tag}-{c['id']}").random())
+
+
 def assign_splits(convs: list[dict], fraction: float, seed: int) -> None:
     """Rows with a split of their own keep it. Of the rows without one, ``data.validation_fraction``
     (default 5%) go to validation: round(fraction x n) rows, at least 1 when fraction > 0 and n >= 2, the
@@ -73,7 +78,7 @@ def assign_splits(convs: list[dict], fraction: float, seed: int) -> None:
         elif conv["split"] not in SPLITS:
             raise DataError(f"row {conv['id']}: split must be train or validation, got {conv['split']!r}")
     n_val = max(1, round(fraction * len(free))) if fraction > 0 and len(free) >= 2 else 0
-    for i, conv in enumerate(sorted(free, key=lambda c: random.Random(f"{seed}-{c['id']}").random())):
+    for i, conv in enumerate(seeded_order(free, str(seed))):
         conv["split"] = "validation" if i < n_val else "train"
 
 
@@ -83,7 +88,7 @@ def sample_train_rows(convs: list[dict], n: int | None, seed: int) -> list[dict]
     train = [c for c in convs if c["split"] == "train"]
     if n is None or n >= len(train):
         return convs
-    kept = {id(c) for c in sorted(train, key=lambda c: random.Random(f"{seed}-rows-{c['id']}").random())[:n]}
+    kept = {id(c) for c in seeded_order(train, f"{seed}-rows")[:n]}
     return [c for c in convs if c["split"] != "train" or id(c) in kept]
 
 
@@ -108,12 +113,10 @@ def run(cfg: DictConfig) -> dict:
             continue
         kept.append(conv)
     assign_splits(kept, dcfg.validation_fraction, cfg.seed)  # after the drops: held-out rows are kept
-    sampled = sample_train_rows(kept, dcfg.get("train_rows"), cfg.seed)  # before regeneration: only these are answered
-    counts["train_rows_left_out"] = len(kept) - len(sampled)
-    kept = sampled
     if counts["dropped_eval_overlap"]:
         log(f"[data] dropped {counts['dropped_eval_overlap']} conversations overlapping evaluation prompts")
-    convs = kept
+    convs = sample_train_rows(kept, dcfg.get("train_rows"), cfg.seed)  # before regeneration: only these are answered
+    train_rows_left_out = len(kept) - len(convs)
 
     regen_stats = None
     if dcfg.regenerate:
@@ -183,7 +186,7 @@ def run(cfg: DictConfig) -> dict:
 
     stats = {
         "rows_read": counts.pop("rows_read", 0),
-        "train_rows_left_out": counts.pop("train_rows_left_out", 0),  # data.train_rows
+        "train_rows_left_out": train_rows_left_out,  # data.train_rows
         "rows_kept": {s: len(rows[s]) for s in SPLITS},
         "dropped": {k: v for k, v in counts.items() if k.startswith("dropped") or k in ("bad_row", "malformed_json")},
         "modified": {k: v for k, v in counts.items() if k in ("truncated_to_max_length", "answers_truncated")},
