@@ -176,6 +176,23 @@ def test_draft_vocab_size_reruns_only_training(prepared, tmp_path):
     assert json.loads((stage_dir(cfg, "train") / "summary.json").read_text())["draft_vocab_size"] == 48
 
 
+@pytest.mark.parametrize("trained", [False, True])
+def test_train_lm_head_false_keeps_the_target_rows(prepared, tmp_path, trained):
+    """head.train_lm_head=false: the saved head's lm_head is the target's rows of the draft vocabulary, the
+    rest of the head trained; with true the lm_head moves off them."""
+    from heads.io import load_head
+
+    cfg = fresh_run(prepared, tmp_path, "stages=[train]", "train.max_steps=3", f"head.train_lm_head={trained}")
+    run_stages(cfg)
+    target = load_target(cfg)
+    head = load_head(stage_dir(cfg, "train") / "head", target)
+    rows = target.lm_head.weight[head.draft_ids()]
+    assert torch.equal(head.lm_head.weight, rows) != trained
+    start = torch.zeros_like(head.fc.weight)  # fc_init=last_tap: the highest tap passed through
+    start[:, -head.config.hidden_size:] = torch.eye(head.config.hidden_size)
+    assert not torch.equal(head.fc.weight, start)  # the rest of the head trained
+
+
 def test_batches_keep_the_stored_dtype_and_prefetch_keeps_the_order(prepared, tmp_path):
     from data.stage import load_dataset, row_lengths
     from train.loop import Batches, micro_batches, prefetch
