@@ -63,10 +63,11 @@ def regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
     system_prompt = cfg.data.system_prompt
     if backend == "hf":
         from train.stages import shares_work
-        from train.target import load_target
+        from train.target import load_target, regen_dtype
 
         if not shares_work(cfg, "data"):  # one process (or rank 0 alone): exactly as before
-            stats = regenerate(convs, load_target(cfg), tokenizer, rcfg, system_prompt, path, capture_writer(cfg))
+            target = load_target(cfg, dtype=regen_dtype(cfg))
+            stats = regenerate(convs, target, tokenizer, rcfg, system_prompt, path, capture_writer(cfg))
         else:
             stats = regenerate_sharded(cfg, convs, tokenizer, path)
         return None if stats is None else {"backend": "hf", "world_size": dist.world_size(), **stats}
@@ -135,7 +136,7 @@ def shares(convs: list[dict], system_prompt: str | None, world: int) -> list[lis
 
 def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path, poll_s: float = 2.0) -> dict | None:
     """``hf`` regeneration split across the ranks; rank 0 merges the parts into ``path`` (see module doc)."""
-    from train.target import load_target
+    from train.target import load_target, regen_dtype
 
     rank, world, system_prompt = dist.rank(), dist.world_size(), cfg.data.system_prompt
     rcfg = cfg.data.regen
@@ -154,7 +155,8 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
     try:
         if mine:
             log(f"[data] rank {rank}/{world}: regenerating its share of {len(mine)} conversations into {part}")
-            stats = regenerate(mine, load_target(cfg), tokenizer, rcfg, system_prompt, part, capture_writer(cfg))
+            target = load_target(cfg, dtype=regen_dtype(cfg))
+            stats = regenerate(mine, target, tokenizer, rcfg, system_prompt, part, capture_writer(cfg))
         else:
             stats = {"cached": 0, "generated": 0, "new_tokens": 0, "seconds": 0.0}
     except BaseException as e:

@@ -198,7 +198,7 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(rcfg.seed)
     lm_head = model.get_output_embeddings().weight if capture else None
     total_turns = sum(len(r["users"]) - _answered(r) for r in state.values())
-    log(f"[data] regenerating {len(state)} conversations ({total_turns} answers) with the target; "
+    log(f"[data] regenerating {len(state)} conversations ({total_turns} answers) with the target in {model.dtype}; "
         f"{stats['cached']} cached in {path}" + (f"; keeping hidden states {capture.layers}" if capture else ""))
     bar = progress(total=total_turns, desc="regenerate", unit="answer")
     start = time.time()
@@ -232,6 +232,7 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
     bar.close()
     stats["seconds"] = round(time.time() - start, 1)
     stats["tokens_per_s"] = round(stats["new_tokens"] / max(stats["seconds"], 1e-9), 1)
+    stats["dtype"] = str(model.dtype).removeprefix("torch.")
     if capture:
         stats["captured"] = {"rows": capture.rows, "tokens": capture.tokens}
     log(f"[data] regenerated {stats['new_tokens']} tokens in {stats['seconds']} s ({stats['tokens_per_s']} tok/s)")

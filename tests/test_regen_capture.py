@@ -68,9 +68,14 @@ def text_twin(tmp_path_factory) -> list[str]:
     return ["model=tiny-qwen2", "model.source=hf", f"model.path={out}", "model.name=text-qwen2"]
 
 
-def _run(tmp_path, twin: list[str], source: str, *extra: str):
+# The regeneration in float32 whatever the CPU (auto is bfloat16 on one with AMX): these tests compare the states
+# kept while regenerating with a float32 extraction pass.
+FP32_REGEN = "data.regen.dtype=float32"
+
+
+def _run(tmp_path, twin: list[str], source: str, *extra: str, regen: str = FP32_REGEN):
     cfg = make_cfg([*twin, "data.sources=[{type:builtin,limit:16}]", "data.regen.max_new_tokens=12",
-                    "data.regen.batch_size=5", "head.draft_vocab_size=96", f"extract.source={source}",
+                    "data.regen.batch_size=5", regen, "head.draft_vocab_size=96", f"extract.source={source}",
                     "extract.shard_mb=0.05", "stages=[data,extract]", f"output_root={tmp_path / source}", *extra])
     run_stages(cfg)
     return cfg
@@ -105,13 +110,55 @@ def test_extract_from_regeneration_equals_a_separate_pass(tmp_path, text_twin, d
         assert (a[key][1] == b[key][1]).float().mean() >= (1.0 if dtype == "float32" else 0.95)
 
 
+def test_regen_dtype_auto_is_bfloat16_on_a_cpu_with_amx(monkeypatch):
+    """data.regen.dtype=auto: bfloat16 where the CPU has AMX tiles and the run's dtype is auto, else the run's
+    dtype; an explicit value wins."""
+    from train import target
+
+    for amx in (True, False):
+        monkeypatch.setattr(target, "cpu_has_amx", lambda amx=amx: amx)
+        assert target.regen_dtype(make_cfg(["device=cpu"])) == (torch.bfloat16 if amx else torch.float32)
+        assert target.regen_dtype(make_cfg(["device=cpu", "dtype=float32"])) == torch.float32
+        assert target.regen_dtype(make_cfg(["device=cpu", "data.regen.dtype=float32"])) == torch.float32
+        assert target.regen_dtype(make_cfg(["device=cpu", "dtype=float32", "data.regen.dtype=bfloat16"])) == torch.bfloat16
+
+
+def test_regeneration_in_bfloat16_keeps_the_states_of_its_own_pass(tmp_path, text_twin):
+    """data.regen.dtype=bfloat16 (a float32 run otherwise): the target regenerates in bfloat16, says so in the
+    stats, and the states it keeps are those of a bfloat16 extraction pass over the same answers, up to bf16
+    rounding (an incremental decode and a prefill round differently)."""
+    regen = "data.regen.dtype=bfloat16"
+    kept = _run(tmp_path, text_twin, "regen", "extract.dtype=bfloat16", regen=regen)
+    passed = _run(tmp_path, text_twin, "pass", "extract.dtype=bfloat16", "dtype=bfloat16", regen=regen)
+    stats = json.loads((stage_dir(kept, "data") / "stats.json").read_text())["regeneration"]
+    assert stats["dtype"] == "bfloat16" and kept.dtype == "auto"
+    assert read_cache_rows(kept) == read_cache_rows(passed)  # the same answers: same batches, same dtype
+    a, b = _shards(kept), _shards(passed)
+    assert a.keys() == b.keys() and len(a) == sum(json.loads((stage_dir(kept, "extract") / "manifest.json")
+                                                             .read_text())["rows"].values())
+    scale = max(v[0].float().abs().max().item() for v in b.values())
+    for key in a:
+        assert (a[key][0].float() - b[key][0].float()).abs().max().item() <= 0.05 * scale
+    assert torch.cat([a[k][1] == b[k][1] for k in a]).float().mean() >= 0.9
+
+
+def read_cache_rows(cfg) -> dict:
+    """Regenerated messages by conversation key, from the run's regeneration cache."""
+    rows = {}
+    for path in Path(cfg.data.regen.dir).glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            rows[row["key"]] = row["messages"]
+    return rows
+
+
 def test_kept_states_cover_multi_turn_and_truncated_answers(tmp_path, text_twin):
     """Two user turns, and answers cut at max_new_tokens: the last turn's prefill covers the first turn, the
     last token of a cut answer and the template's end of turn are fed, so the states cover the whole row."""
     conv = {"turns": ["Say one word.", "And another one?"]}
     path = tmp_path / "two_turns.jsonl"
     path.write_text(json.dumps(conv) + "\n" + json.dumps({"turns": ["Count to three."]}) + "\n")
-    cfg = make_cfg([*text_twin, f"data.sources=[{{path:{path},split:train}}]", "data.regen.max_new_tokens=4",
+    cfg = make_cfg([*text_twin, FP32_REGEN, f"data.sources=[{{path:{path},split:train}}]", "data.regen.max_new_tokens=4",
                     "head.draft_vocab_size=96", "extract.source=regen", "extract.dtype=float32", "stages=[data]",
                     f"output_root={tmp_path}"])
     run_stages(cfg)
@@ -153,7 +200,7 @@ def test_two_ranks_keep_states_like_one_process_passes(tmp_path, text_twin):
 
     from tests.conftest import ROOT, child_env
 
-    args = [*text_twin, "tracking=none", "stages=[data,extract]", "data.sources=[{type:builtin,limit:16}]",
+    args = [*text_twin, FP32_REGEN, "tracking=none", "stages=[data,extract]", "data.sources=[{type:builtin,limit:16}]",
             "data.regen.max_new_tokens=12", "head.draft_vocab_size=96", "extract.dtype=float32", "extract.shard_mb=0.05"]
     deepspeed = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", "29691"]
     runs = {"regen": (deepspeed, tmp_path / "two"), "pass": ([sys.executable], tmp_path / "one")}
@@ -180,7 +227,7 @@ def test_default_target_keeps_states_for_its_answers(tmp_path):
     to the ids that were generated, so its states are kept and no second pass runs over them; the shards agree
     with a separate pass within the storage dtype (bf16)."""
     args = ["data.sources=[{type:builtin,limit:6}]", "data.regen.max_new_tokens=32", "head.draft_vocab_size=512",
-            "stages=[data,extract]"]
+            FP32_REGEN, "stages=[data,extract]"]
     kept = make_cfg([*args, "extract.source=auto", f"output_root={tmp_path / 'regen'}"])
     passed = make_cfg([*args, "extract.source=pass", f"output_root={tmp_path / 'pass'}"])
     run_stages(kept)

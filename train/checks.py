@@ -47,6 +47,7 @@ ENUMS = {
     "data.exclude_eval": ("humaneval",),
     "data.sources[].type": ("builtin", "humaneval", "synth"),
     "data.regen.backend": BACKENDS,
+    "data.regen.dtype": ("auto", *DTYPES),
     "data.thinking": (None, True, False),
     "data.sources[].format": ("auto", "sharegpt", "messages", "ultrachat", "turns", "humaneval", "prompts"),
     "data.sources[].split": ("train", "validation", None),

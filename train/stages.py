@@ -50,7 +50,8 @@ DEPENDS = {
 IGNORED = {
     "data": ["data.regen.dir", "data.synth_dir", "data.regen.batch_size", "data.regen.backend", "data.regen.url",
              "data.regen.model", "data.regen.concurrency", "data.regen.timeout_s", "data.regen.retries",
-             "data.regen.vllm"],  # the regeneration cache is keyed by target + sampling, not by the engine
+             "data.regen.vllm", "data.regen.dtype"],  # the regeneration cache is keyed by target + sampling, not by
+                                                      # the engine or its precision
     "extract": ["extract.disk_margin"],  # not shard_mb: shards are named by index, a fingerprint must tell them apart
     "train": ["train.log_every", "train.num_threads", "train.keep_checkpoints", "train.checkpoint_every",
               "train.prefetch"],
