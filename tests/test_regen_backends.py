@@ -207,7 +207,7 @@ def test_vllm_backend_names_a_bad_interpreter(tmp_path):
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 ENV = child_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", OMP_WAIT_POLICY="PASSIVE")
-# float32 whatever the CPU: in bfloat16 an answer depends on which rows share its batch, which differ by rank count
+# float32 whatever the default: in bfloat16 an answer depends on which rows share its batch, which differ by rank count
 RANKS = ["tracking=none", "model=tiny-llama", "stages=[data]", "data.sources=[{type:builtin,limit:24}]",
          "data.regen.max_new_tokens=24", "head.draft_vocab_size=64", "data.regen.dtype=float32"]
 

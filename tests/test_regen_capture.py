@@ -68,8 +68,8 @@ def text_twin(tmp_path_factory) -> list[str]:
     return ["model=tiny-qwen2", "model.source=hf", f"model.path={out}", "model.name=text-qwen2"]
 
 
-# The regeneration in float32 whatever the CPU (auto is bfloat16 on one with AMX): these tests compare the states
-# kept while regenerating with a float32 extraction pass.
+# The regeneration in float32 whatever the default: these tests compare the states kept while regenerating with
+# a float32 extraction pass.
 FP32_REGEN = "data.regen.dtype=float32"
 
 
@@ -110,17 +110,14 @@ def test_extract_from_regeneration_equals_a_separate_pass(tmp_path, text_twin, d
         assert (a[key][1] == b[key][1]).float().mean() >= (1.0 if dtype == "float32" else 0.95)
 
 
-def test_regen_dtype_auto_is_bfloat16_on_a_cpu_with_amx(monkeypatch):
-    """data.regen.dtype=auto: bfloat16 where the CPU has AMX tiles and the run's dtype is auto, else the run's
-    dtype; an explicit value wins."""
-    from train import target
+def test_regen_dtype_auto_is_the_runs_dtype():
+    """data.regen.dtype=auto regenerates in the run's dtype; an explicit value wins."""
+    from train.target import regen_dtype
 
-    for amx in (True, False):
-        monkeypatch.setattr(target, "cpu_has_amx", lambda amx=amx: amx)
-        assert target.regen_dtype(make_cfg(["device=cpu"])) == (torch.bfloat16 if amx else torch.float32)
-        assert target.regen_dtype(make_cfg(["device=cpu", "dtype=float32"])) == torch.float32
-        assert target.regen_dtype(make_cfg(["device=cpu", "data.regen.dtype=float32"])) == torch.float32
-        assert target.regen_dtype(make_cfg(["device=cpu", "dtype=float32", "data.regen.dtype=bfloat16"])) == torch.bfloat16
+    assert regen_dtype(make_cfg(["device=cpu"])) == torch.float32
+    assert regen_dtype(make_cfg(["device=cpu", "dtype=bfloat16"])) == torch.bfloat16
+    assert regen_dtype(make_cfg(["device=cpu", "data.regen.dtype=bfloat16"])) == torch.bfloat16
+    assert regen_dtype(make_cfg(["device=cpu", "dtype=bfloat16", "data.regen.dtype=float32"])) == torch.float32
 
 
 def test_regeneration_in_bfloat16_keeps_the_states_of_its_own_pass(tmp_path, text_twin):
