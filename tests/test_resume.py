@@ -41,6 +41,8 @@ def fp(name: str, *overrides: str, tmp: Path) -> str:
     ("data", "eval.questions=q.jsonl", True),           # rows overlapping those prompts are dropped
     ("data", "data.regen.batch_size=3", False),
     ("data", "data.regen.backend=openai", False),
+    ("data", "data.regen.dtype=bfloat16", False),       # the cache is keyed by target + sampling, not precision
+    ("data", "~data.regen.dtype", False),               # a run made before the key: auto reproduces it
     ("data", "data.regen.max_new_tokens=7", True),
     ("data", "train.lr=1e-5", False),
     ("data", "head.draft_vocab_size=32", False),        # the train stage builds the vocabulary from counts
