@@ -74,7 +74,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def regen_dtype(cfg: DictConfig) -> torch.dtype:
     """``data.regen.dtype`` of the ``hf`` backend; ``auto``: the run's dtype. ``bfloat16`` on a CPU with AMX tiles
     regenerates ~1.3x faster than float32 and heads trained on its answers score the same against the float32
-    target (README, "bf16 on a CPU"); it is not the CPU default, its gain with the states kept is unmeasured."""
+    target (README, "bf16 on a CPU"); it is not the CPU default: its gain with the states kept is not settled."""
     name = cfg.data.regen.get("dtype", "auto")
     return resolve_dtype(cfg.dtype, resolve_device(cfg.device)) if name == "auto" else getattr(torch, name)
 
