@@ -124,12 +124,15 @@ def test_regeneration_in_bfloat16_keeps_the_states_of_its_own_pass(tmp_path, tex
     """data.regen.dtype=bfloat16 (a float32 run otherwise): the target regenerates in bfloat16, says so in the
     stats, and the states it keeps are those of a bfloat16 extraction pass over the same answers, up to bf16
     rounding (an incremental decode and a prefill round differently)."""
+    from tests.test_regen_backends import cache_of
+
     regen = "data.regen.dtype=bfloat16"
     kept = _run(tmp_path, text_twin, "regen", "extract.dtype=bfloat16", regen=regen)
     passed = _run(tmp_path, text_twin, "pass", "extract.dtype=bfloat16", "dtype=bfloat16", regen=regen)
     stats = json.loads((stage_dir(kept, "data") / "stats.json").read_text())["regeneration"]
     assert stats["dtype"] == "bfloat16" and kept.dtype == "auto"
-    assert read_cache_rows(kept) == read_cache_rows(passed)  # the same answers: same batches, same dtype
+    answers = [{k: r["messages"] for k, r in cache_of(cfg).items()} for cfg in (kept, passed)]
+    assert answers[0] == answers[1]  # the same answers: same batches, same dtype
     a, b = _shards(kept), _shards(passed)
     assert a.keys() == b.keys() and len(a) == sum(json.loads((stage_dir(kept, "extract") / "manifest.json")
                                                              .read_text())["rows"].values())
@@ -137,16 +140,6 @@ def test_regeneration_in_bfloat16_keeps_the_states_of_its_own_pass(tmp_path, tex
     for key in a:
         assert (a[key][0].float() - b[key][0].float()).abs().max().item() <= 0.05 * scale
     assert torch.cat([a[k][1] == b[k][1] for k in a]).float().mean() >= 0.9
-
-
-def read_cache_rows(cfg) -> dict:
-    """Regenerated messages by conversation key, from the run's regeneration cache."""
-    rows = {}
-    for path in Path(cfg.data.regen.dir).glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            rows[row["key"]] = row["messages"]
-    return rows
 
 
 def test_kept_states_cover_multi_turn_and_truncated_answers(tmp_path, text_twin):

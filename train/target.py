@@ -76,7 +76,7 @@ def regen_dtype(cfg: DictConfig) -> torch.dtype:
     regenerates ~1.3x faster than float32 and heads trained on its answers score the same against the float32
     target (README, "bf16 on a CPU"); it is not the CPU default: its gain with the states kept is not settled."""
     name = cfg.data.regen.get("dtype", "auto")
-    return resolve_dtype(cfg.dtype, resolve_device(cfg.device)) if name == "auto" else getattr(torch, name)
+    return resolve_dtype(cfg.dtype if name == "auto" else name, resolve_device(cfg.device))
 
 
 def _sha_file(path: Path, limit: int = 1 << 24) -> str:
