@@ -22,19 +22,19 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from data.captured import CaptureWriter
 from data.formats import prompt_key, read_jsonl, rewrite_jsonl
 from data.template import conversation_ids, prompt_ids, with_system
 from eval.sampling import warp
+from train.kvcache import kv_cache
 from train.log import log, progress
 from train.losses import full_argmax
 
 
 def next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
     if temperature <= 0:
-        return logits.argmax(-1)
+        return logits.max(-1).indices  # = argmax, faster on bf16 logits (train.losses.full_argmax)
     return torch.multinomial(warp(logits, temperature, top_p), 1, generator=generator).squeeze(-1)
 
 
@@ -66,7 +66,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
+    cache = kv_cache(model.config, width + max_new_tokens + 16)  # + the template's tail
     out = model(ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1,
                 output_hidden_states=layers or None)
     kept: list[list[torch.Tensor] | None] = [[] for _ in prompts] if layers else [None] * len(prompts)

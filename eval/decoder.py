@@ -21,10 +21,11 @@ from transformers import DynamicCache
 from eval.drafters import Drafter
 from eval.sampling import Sampling, accept
 from eval.tree import DraftTree
+from train.kvcache import kv_cache
 
 # Bumped when a change to the decoder changes its timings: cached plain / n-gram records and verify times
 # (eval.shared) measured by another version are not reused.
-DECODER_VERSION = 2
+DECODER_VERSION = 3  # 3: the KV cache in preallocated buffers (train.kvcache)
 
 # The two GEMM layouts of lm_head(h) = h @ W.T for h [rows, H] (SpecDecoder.logits keeps the faster per row count).
 LM_HEAD_LAYOUTS = {"linear": lambda h, w: F.linear(h, w), "mm": lambda h, w: (w @ h.T).T}
@@ -75,9 +76,10 @@ class SpecDecoder:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - self.tuning_s
 
-    def prefill(self, ids: list[int], hidden_layers: list[int]):
-        """Cache ``ids``; returns (cache, logits [1, vocab] at the last position, hidden_states or None)."""
-        cache = DynamicCache(config=self.target.config)
+    def prefill(self, ids: list[int], hidden_layers: list[int], room: int = 256):
+        """Cache ``ids`` (in buffers with ``room`` more positions: they grow past it); returns (cache, logits
+        [1, vocab] at the last position, hidden_states or None)."""
+        cache = kv_cache(self.target.config, len(ids) + room)
         logits, hidden = self.forward(torch.tensor([ids], device=self.device), hidden_layers, cache, last_only=True)
         return cache, logits, hidden
 
@@ -159,7 +161,7 @@ class SpecDecoder:
         ids = list(prompt)
         start = self.clock()
         drafter.reset(sampling)
-        cache, logits, hidden = self.prefill(ids, layers)
+        cache, logits, hidden = self.prefill(ids, layers, max_new_tokens + 64)  # + a last tree
         _, first = accept(DraftTree([], []), logits, sampling)
         out = Generation([])
         done = self._commit(ids, [first], max_new_tokens, len(prompt))

@@ -171,6 +171,20 @@ def tiny_view(target, head, states):
     return target_view(states[:, :, -1], lm_head[head.draft_ids()], head.t2d, full_argmax(states[:, :, -1], lm_head))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_argmax_is_the_first_maximal_index_across_chunks(dtype):
+    """Chunked over rows, in either dtype, and on exact ties (duplicated lm_head rows) the lowest id, as
+    ``argmax`` of the full logits: the stored target argmax does not depend on the chunk size."""
+    torch.manual_seed(0)
+    lm_head = torch.randn(300, 16).to(dtype)
+    lm_head[200:] = lm_head[:100]  # ids 200.. tie with ids 0..
+    last = torch.randn(3, 900, 16)
+    want = (last.to(dtype) @ lm_head.T).argmax(-1)
+    assert (want < 200).all()
+    for chunk in (1024, 128, 7):
+        assert torch.equal(full_argmax(last, lm_head, chunk), want)
+
+
 def target_entropy(view, lengths, mask) -> float:
     """The floor of the soft cross-entropy (the target's own entropy, weighted as the 3-step loss): the
     overfit tests compare the excess over it (the KL)."""

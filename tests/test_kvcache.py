@@ -1,0 +1,75 @@
+"""The KV cache in preallocated buffers (train.kvcache) holds what transformers' DynamicCache holds, through
+every operation the decoder and the regeneration use, past its capacity; sliding-window layers are left to
+transformers; regeneration with it gives the answers and states of a DynamicCache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, Qwen2Config
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+import data.regenerate
+from data.regenerate import generate
+from train.kvcache import BufferLayer, kv_cache
+from train.target import load_target
+
+
+def _same(a: DynamicLayer, b: BufferLayer) -> None:
+    assert b.get_seq_length() == a.get_seq_length()
+    assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_buffer_layer_follows_a_dynamic_layer():
+    """Appends of 5 / 1 / 3 positions from capacity 2 (it grows twice), a crop, in-place writes into the
+    kept part (the decoder's accepted tree rows), rows leaving the batch, and appends after each."""
+    torch.manual_seed(0)
+    ref, buf = DynamicLayer(), BufferLayer(capacity=2)
+
+    def step(n: int, rows: int) -> None:
+        k, v = torch.randn(rows, 2, n, 4), torch.randn(rows, 2, n, 4)
+        out = buf.update(k, v)
+        assert all(torch.equal(x, y) for x, y in zip(ref.update(k, v), out, strict=True))
+        _same(ref, buf)
+
+    for n in (5, 1, 3):
+        step(n, 3)
+    assert buf._k.shape[2] >= 9
+    for layer in (ref, buf):
+        layer.crop(-2)
+        layer.keys[:, :, 5:7] = layer.keys[:, :, [6, 4]]
+    _same(ref, buf)
+    step(2, 3)
+    for layer in (ref, buf):
+        layer.batch_select_indices(torch.tensor([2, 0]))
+    _same(ref, buf)
+    step(1, 2)
+    with pytest.raises(ValueError):
+        buf.crop(1)
+
+
+def test_only_full_attention_layers_get_buffers():
+    config = Qwen2Config(num_hidden_layers=4, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=64, vocab_size=64, use_sliding_window=True, sliding_window=8,
+                         max_window_layers=2)
+    kinds = [type(layer) for layer in kv_cache(config, 16).layers]
+    want = [BufferLayer if t == "full_attention" else DynamicSlidingWindowLayer for t in config.layer_types]
+    assert kinds == want and DynamicSlidingWindowLayer in kinds
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
+def test_regeneration_is_the_same_with_a_dynamic_cache(model, monkeypatch, cfg_factory):
+    """Batched greedy answers of different lengths (rows leave the batch), their template tails and kept
+    states: identical with the buffers and with transformers' DynamicCache."""
+    target = load_target(cfg_factory(f"model={model}", "dtype=float32"))
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15]]
+
+    def run() -> list:
+        return generate(target, prompts, 12, {3, 4}, 0, layers=[1, 2], tail=lambda row, tokens: [1] * (row + 1))
+
+    mine = run()
+    monkeypatch.setattr(data.regenerate, "kv_cache", lambda config, capacity: DynamicCache(config=config))
+    theirs = run()
+    for a, b in zip(mine, theirs, strict=True):
+        assert a.tokens == b.tokens and a.hit_eos == b.hit_eos
+        assert torch.equal(a.states, b.states)
