@@ -22,7 +22,7 @@ def _same(a: DynamicLayer, b: BufferLayer) -> None:
 
 def test_buffer_layer_follows_a_dynamic_layer():
     """Appends of 5 / 1 / 3 positions from capacity 2 (it grows twice), a crop, in-place writes into the
-    kept part (the decoder's accepted tree rows), rows leaving the batch, and appends after each."""
+    kept part (the decoder's accepted tree rows), rows leaving the batch, beams, and appends after each."""
     torch.manual_seed(0)
     ref, buf = DynamicLayer(), BufferLayer(capacity=2)
 
@@ -44,6 +44,11 @@ def test_buffer_layer_follows_a_dynamic_layer():
         layer.batch_select_indices(torch.tensor([2, 0]))
     _same(ref, buf)
     step(1, 2)
+    for layer in (ref, buf):
+        layer.batch_repeat_interleave(2)
+        layer.reorder_cache(torch.tensor([3, 0, 1, 1]))
+    _same(ref, buf)
+    step(1, 4)
     with pytest.raises(ValueError):
         buf.crop(1)
 

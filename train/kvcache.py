@@ -18,7 +18,7 @@ from transformers.cache_utils import DynamicLayer
 
 class BufferLayer(DynamicLayer):
     """A DynamicLayer whose ``keys``/``values`` [B, heads, length, dim] are views of buffers of ``capacity``
-    positions; ``update``, ``crop`` and ``batch_select_indices`` behave as DynamicLayer's."""
+    positions; ``update``, ``crop`` and the batch operations (rows leaving, beams) behave as DynamicLayer's."""
 
     def __init__(self, capacity: int):
         super().__init__()
@@ -69,6 +69,13 @@ class BufferLayer(DynamicLayer):
         if self.is_initialized:
             self._k, self._v = (self._grown(b, b.shape[2], indices) for b in (self._k, self._v))
             self._views()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self.batch_select_indices(torch.arange(self._k.shape[0], device=self.device).repeat_interleave(repeats))
 
 
 def kv_cache(config, capacity: int) -> DynamicCache:
