@@ -41,14 +41,14 @@ class BufferLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[2]
         if end > self._k.shape[2]:
-            self._k, self._v = (self._grown(b, max(end, 2 * b.shape[2])) for b in (self._k, self._v))
+            self._k, self._v = (self._copied(b, max(end, 2 * b.shape[2])) for b in (self._k, self._v))
         self._k[:, :, self.length:end] = key_states
         self._v[:, :, self.length:end] = value_states
         self.length = end
         self._views()
         return self.keys, self.values
 
-    def _grown(self, buffer: torch.Tensor, capacity: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def _copied(self, buffer: torch.Tensor, capacity: int, rows: torch.Tensor | None = None) -> torch.Tensor:
         """A new buffer of ``capacity`` positions holding the filled part of ``buffer`` (its ``rows`` only)."""
         filled = buffer[:, :, :self.length] if rows is None else buffer[rows, :, :self.length]
         out = buffer.new_empty((filled.shape[0], buffer.shape[1], capacity, buffer.shape[3]))
@@ -67,7 +67,7 @@ class BufferLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            self._k, self._v = (self._grown(b, b.shape[2], indices) for b in (self._k, self._v))
+            self._k, self._v = (self._copied(b, b.shape[2], indices) for b in (self._k, self._v))
             self._views()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
