@@ -1,17 +1,20 @@
 """The KV cache in preallocated buffers (train.kvcache) holds what transformers' DynamicCache holds, through
 every operation the decoder and the regeneration use, past its capacity; sliding-window layers are left to
-transformers; regeneration with it gives the answers and states of a DynamicCache."""
+transformers; regeneration with it gives the answers and states of a DynamicCache; continuous batching
+(prompts joining a running batch) gives every prompt the answer and states it gets alone."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 import torch
-from transformers import DynamicCache, Qwen2Config
+from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 import data.regenerate
-from data.regenerate import generate
-from train.kvcache import BufferLayer, kv_cache
+from data.regenerate import generate, stream
+from train.kvcache import BufferLayer, join, kv_cache
 from train.target import load_target
 
 
@@ -78,3 +81,58 @@ def test_regeneration_is_the_same_with_a_dynamic_cache(model, monkeypatch, cfg_f
     for a, b in zip(mine, theirs, strict=True):
         assert a.tokens == b.tokens and a.hit_eos == b.hit_eos
         assert torch.equal(a.states, b.states)
+
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15], [16] * 9, [17, 18, 19, 20], [21, 22, 23, 24, 25, 26, 27]]
+
+
+def _continuous(target, monkeypatch, batch_size: int, refill: int, eos: set[int]) -> tuple[dict, list[int]]:
+    """Answers of the first five prompts through :func:`stream`, the sixth appended once the first answer is
+    done (a conversation's next turn); returns them by index and the batch sizes the joins built."""
+    joins: list[int] = []
+
+    def counted(a, mask_a, b, mask_b, room):
+        joins.append(mask_a.shape[0] + mask_b.shape[0])
+        return join(a, mask_a, b, mask_b, room)
+
+    monkeypatch.setattr(data.regenerate, "join", counted)
+    queue, got = deque(enumerate(PROMPTS[:5])), {}
+    for finished in stream(target, queue, batch_size, refill, 12, eos, 0, layers=[1, 2],
+                           tail=lambda job, tokens: [1] * (job % 3)):
+        if not got:
+            queue.append((5, PROMPTS[5]))
+        got.update(finished)
+    return got, joins
+
+
+# EOS ids these twins write at different steps of different prompts (rows end at different steps)
+@pytest.mark.parametrize(("model", "eos"), [("tiny-llama", {36, 52, 137}), ("tiny-qwen3", {3, 5, 80, 85})])
+def test_continuous_batching_gives_each_prompt_its_answer_alone(model, eos, monkeypatch, cfg_factory):
+    """Batches of 3 refilled one row at a time: rows join while others are mid-answer or feeding their template
+    tail, at other lengths; each answer, its EOS and its kept states are those of the prompt decoded alone."""
+    target = load_target(cfg_factory(f"model={model}", "dtype=float32"))
+    got, joins = _continuous(target, monkeypatch, batch_size=3, refill=1, eos=eos)
+    assert joins and max(joins) == 3
+    assert sorted(got) == list(range(6))
+    lengths = set()
+    for j, p in enumerate(PROMPTS):
+        alone = generate(target, [p], 12, eos, 0, layers=[1, 2], tail=lambda job, tokens, j=j: [1] * (j % 3))[0]
+        assert (got[j].tokens, got[j].hit_eos) == (alone.tokens, alone.hit_eos)
+        torch.testing.assert_close(got[j].states, alone.states, rtol=1e-5, atol=1e-5)
+        lengths.add(len(alone.tokens))
+    assert len(lengths) > 2  # rows leave at different steps
+
+
+def test_sliding_window_targets_fall_back_to_static_batches(monkeypatch):
+    """A target with sliding-window layers: its cache does not join, so a new batch starts when the last is
+    done; the answers are still each prompt's own."""
+    torch.manual_seed(0)
+    config = Qwen2Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=64, vocab_size=64, use_sliding_window=True, sliding_window=4,
+                         max_window_layers=1)
+    target = AutoModelForCausalLM.from_config(config).eval()
+    got, joins = _continuous(target, monkeypatch, batch_size=2, refill=1, eos={3, 4})
+    assert not joins and sorted(got) == list(range(6))
+    for j, p in enumerate(PROMPTS):
+        alone = generate(target, [p], 12, {3, 4}, 0)[0]
+        assert (got[j].tokens, got[j].hit_eos) == (alone.tokens, alone.hit_eos)

@@ -6,7 +6,8 @@ a batch of 64 rows x 300 positions of the default target in bf16 that copy was 3
 2-core CPU (``torch.profiler``; attention 29%, the GEMMs 27%). :class:`BufferLayer` writes the step into
 a buffer in place and hands attention a view of its filled part; the buffer doubles when full, so the
 capacity is a hint, never a limit. Other layer kinds (sliding windows, linear attention) stay as the config
-builds them.
+builds them. :func:`join` merges two caches of left-padded rows into one (continuous batching: new prompts
+join a running batch).
 """
 
 from __future__ import annotations
@@ -84,3 +85,42 @@ def kv_cache(config, capacity: int) -> DynamicCache:
     cache = DynamicCache(config=config)
     cache.layers = [BufferLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def joinable(cache: DynamicCache) -> bool:
+    """Whether :func:`join` can take ``cache``: every layer keeps all its positions (no sliding window)."""
+    return all(type(layer) in (DynamicLayer, BufferLayer) for layer in cache.layers)
+
+
+def join(a: DynamicCache, mask_a: torch.Tensor, b: DynamicCache, mask_b: torch.Tensor,
+         room: int) -> tuple[DynamicCache, torch.Tensor]:
+    """One cache of the rows of ``a`` then the rows of ``b``, and its attention mask.
+
+    Both hold left-padded rows ([B, length] masks, 1 = a position the row attends). The result right-aligns
+    them at one length: the leading columns no row of ``a`` attends are dropped, the shorter side is padded
+    on the left with zeros (masked; zeros, not garbage, so that a NaN cannot reach attention). ``b`` becomes
+    the result, its layers :class:`BufferLayer` with ``room`` free positions. One copy of each position.
+    """
+    start = int(mask_a.any(0).int().argmax())
+    la, lb = mask_a.shape[1] - start, mask_b.shape[1]
+    length, na = max(la, lb), mask_a.shape[0]
+    mask = mask_b.new_zeros((na + mask_b.shape[0], length))
+    mask[:na, length - la:] = mask_a[:, start:]
+    mask[na:, length - lb:] = mask_b
+    layers = []
+    for x, y in zip(a.layers, b.layers, strict=True):
+        layer = BufferLayer(length + room)
+        buffers = []
+        for kx, ky in ((x.keys, y.keys), (x.values, y.values)):
+            buf = ky.new_empty((na + ky.shape[0], ky.shape[1], length + room, ky.shape[3]))
+            buf[:na, :, :length - la].zero_()
+            buf[:na, :, length - la:length] = kx[:, :, start:]
+            buf[na:, :, :length - lb].zero_()
+            buf[na:, :, length - lb:length] = ky
+            buffers.append(buf)
+        layer._k, layer._v = buffers
+        layer.device, layer.length, layer.is_initialized = buffers[0].device, length, True
+        layer._views()
+        layers.append(layer)
+    b.layers = layers  # b keeps the rest of its state (the config's layer plan)
+    return b, mask
