@@ -55,7 +55,7 @@ def source(tmp_path_factory):
 
 def test_every_script_has_a_smoke_test():
     """A new script gets a test here (or a reason not to)."""
-    covered = {"_bench.py", "compare_heads.py", "bench_data.py", "bench_decode.py", "bench_extract.py", "bench_gpu_scale.py",
+    covered = {"_bench.py", "compare_heads.py", "bench_batching.py", "bench_data.py", "bench_decode.py", "bench_extract.py", "bench_gpu_scale.py",
                "bench_levers.py", "bench_train.py", "bench_ttt_attention.py", "gpu_check.sh", "learning_curve.py",
                "setup_env.sh", "setup_vllm_env.sh", "vllm_check.py"}   # vllm_check.py: tests/test_vllm_check.py
     assert {p.name for p in SCRIPTS.iterdir() if p.is_file()} <= covered
@@ -102,6 +102,15 @@ def test_bench_data():
                      "head.draft_vocab_size=64")
     assert re.search(r"^hf\+pass\s+\d+\s+\d+", out, re.M) and re.search(r"^hf\+kept\s+\d+\s+\d+", out, re.M), out
     assert "end-to-end speed-up hf+kept / hf+pass" in out and "4/4 rows comparable" in out
+
+
+def test_bench_batching(source):
+    """The tiny run's 12 regenerated conversations replayed through the real scheduler (each replayed answer
+    has its recorded length, or the script fails) in batches of 4, static and continuous."""
+    out = run_script("bench_batching.py", "--batch-size", "4", "--refill", "1.0,0.25", *source("eagle3"))
+    assert re.search(r": 12 conversations, \d+ answers, \d+ answer tokens; batch_size 4", out), out
+    assert re.search(r"^\s+1\.0\s+\d+\s+[\d.]+\s+\d+\s+1\.00$", out, re.M), out
+    assert re.search(r"^\s+0\.25\s+\d+\s+[\d.]+\s+\d+\s+[\d.]+$", out, re.M), out
 
 
 def test_bench_extract(source):
