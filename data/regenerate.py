@@ -86,10 +86,10 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
     run = partial(model, use_cache=True, logits_to_keep=1, output_hidden_states=layers or None)
     jobs: list[Hashable] = []  # the job of each batch row
     cache = mask = positions = logits = None
+    room = max_new_tokens + 16  # KV positions past the prompts: the answer + the template's tail
     answers: dict[Hashable, list[int]] = {}  # jobs still answering
-    ended: dict[Hashable, Answer] = {}       # jobs whose answer ended, their template tail still feeding
+    ended: dict[Hashable, tuple[Answer, list[int]]] = {}  # job -> its answer, template tokens still to feed
     kept: dict[Hashable, list[torch.Tensor] | None] = {}
-    forced: dict[Hashable, list[int]] = {}   # job -> template tokens still to feed after its answer
     while True:
         free = batch_size - len(jobs)
         if queue and 0 < free >= min(refill, len(queue)) and (not jobs or joinable(cache)):
@@ -98,14 +98,14 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
             ids = torch.tensor([[pad_id] * (width - len(p)) + p for _, p in new], device=device)
             new_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for _, p in new], device=device)
             new_positions = (new_mask.cumsum(-1) - 1).clamp(min=0)
-            new_cache = kv_cache(model.config, width + max_new_tokens + 16)  # + the template's tail
+            new_cache = kv_cache(model.config, width + room)
             out = run(ids, attention_mask=new_mask, position_ids=new_positions, cache=new_cache)
             new_jobs = [job for job, _ in new]
             answers.update((job, []) for job in new_jobs)
             kept.update((job, [] if layers else None) for job in new_jobs)
             _keep(kept, new_jobs, out, layers, [len(p) for _, p in new])
             if jobs:
-                cache, mask = join(cache, mask, new_cache, new_mask, max_new_tokens + 16)
+                cache, mask = join(cache, mask, new_cache, new_mask, room)
                 positions = torch.cat([positions, new_positions[:, -1:]])
                 logits = torch.cat([logits, out.logits[:, -1]])
             else:
@@ -113,12 +113,12 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
             jobs += new_jobs
         if not jobs:
             return
-        answering = [j for j, job in enumerate(jobs) if job not in forced]
+        answering = [j for j, job in enumerate(jobs) if job not in ended]
         sampled = iter(next_tokens(logits[answering], temperature, top_p, generator).tolist() if answering else [])
         feed: list[int | None] = []  # the token each row feeds next; None: the row leaves
         finished = []
         for job in jobs:
-            if job not in forced:
+            if job not in ended:
                 tok = next(sampled)
                 hit_eos = tok in eos_ids
                 if not hit_eos:
@@ -131,15 +131,16 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
                     kept[job], more = None, []
                 elif not hit_eos and kept[job] is not None:  # cut at max_new_tokens: the last token's state too
                     more = [tok, *more]
-                forced[job], ended[job] = more, Answer(answers.pop(job), hit_eos)
-            if forced[job]:
-                feed.append(forced[job].pop(0))
+                ended[job] = Answer(answers.pop(job), hit_eos), more
+            answer, more = ended[job]
+            if more:
+                feed.append(more.pop(0))
                 continue
             feed.append(None)
-            answer, states = ended.pop(job), kept.pop(job)
+            states = kept.pop(job)
             answer.states = None if states is None else torch.cat(states)
             finished.append((job, answer))
-            del forced[job]
+            del ended[job]
         keep = [j for j, tok in enumerate(feed) if tok is not None]
         if finished:
             yield finished

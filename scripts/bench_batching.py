@@ -5,7 +5,7 @@ with a stand-in target that answers every prompt with its recorded length, for s
     .venv/bin/python scripts/bench_batching.py                   # the default run's cache (run the data stage first)
     .venv/bin/python scripts/bench_batching.py --cache F.jsonl --batch-size 256 model=qwen2.5-7b
 
-Prints, per refill: decode steps, rows per step, prefills and joins. No target runs, so it takes seconds;
+Prints, per refill: decode steps, rows per step and prefills (one per admission of new prompts). No target runs, so it takes seconds;
 where a decode step costs about the same at 2 rows as at 64 (a GPU decoding a 7-8B target is bound by
 reading the weights), steps are time. On the 2-core CPU a step's cost grows with its rows (the README,
 "Continuous batching", has both measured). Prompts are queued as ``data.regenerate.regenerate`` queues
