@@ -49,7 +49,14 @@ from eval.treesize import acceptance_curve, choose_total_tokens, draft_times, me
 from heads.io import head_type, load_head
 from train.log import log, progress
 from train.stages import fingerprint, require, stage_dir, upstream_ids
-from train.target import load_target, load_tokenizer, target_fingerprint
+from train.target import (
+    cpu_has_bf16,
+    load_target,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    target_fingerprint,
+)
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -218,6 +225,43 @@ def size_tree(cfg: DictConfig, decoder: SpecDecoder, head, tokenizer, cache: Jso
     return info
 
 
+# Tree tokens whose verify times (summed) choose the precision of eval.dtype=auto: plain decoding, a chain, a tree.
+DTYPE_SIZES = (1, 4, 8)
+
+
+def eval_target(cfg: DictConfig, tokenizer, cache_dir: Path | None = None,
+                fresh: bool = False) -> tuple[torch.nn.Module, dict | None]:
+    """The target in the precision the eval decodes in (``eval.dtype``), and what chose it. ``auto`` is the run's
+    dtype, except on a CPU that multiplies bf16 natively (:func:`train.target.cpu_has_bf16`) while ``dtype`` is
+    auto: there float32 and bfloat16 copies verify ``DTYPE_SIZES`` tree tokens after ``eval.tree.context``
+    tokens, alternating twice, and the precision with the smaller summed time (min over the rounds) decodes
+    everything, plain decoding included (on an AMD Zen 4 bf16 verified 1.7x faster and flat up to 16 tokens,
+    on an Intel Sapphire Rapids batch-1 bf16 was slower: README, "bf16 on a CPU"). Returns (target,
+    {"verify_ms": {dtype: ms}, "chosen": dtype}) or (target, None) when nothing was measured. Kept under
+    ``cache_dir`` (a :class:`JsonCache` keyed by the float32 target and machine; ``fresh`` measures again), so
+    every head's eval of the target decodes in the same precision and shares its plain and n-gram records."""
+    name, device = cfg.eval.get("dtype", "auto"), resolve_device(cfg.device)
+    if name != "auto" or cfg.dtype != "auto" or device.type != "cpu" or not cpu_has_bf16():
+        return load_target(cfg, device, resolve_dtype(cfg.dtype if name == "auto" else name, device)), None
+    models = {"float32": load_target(cfg, device, torch.float32)}
+    models["bfloat16"] = copy.deepcopy(models["float32"]).to(torch.bfloat16)
+    prompts, _ = calibration_prompts(cfg, max(cfg.eval.tree.calibration_prompts, 8))
+    context = context_ids(tokenizer, prompts, cfg.eval.tree.context)
+    cache = JsonCache(cache_dir, target_identity(target_fingerprint(cfg), [], models["float32"]), fresh)
+    key = {"dtype_choice": DTYPE_SIZES, "context": digest(context)}
+    ms = cache.get(key)
+    if ms is None:
+        ms = dict.fromkeys(models, float("inf"))
+        for _ in range(2):
+            for dtype, model in models.items():
+                ms[dtype] = min(ms[dtype], sum(measure_verify_time(SpecDecoder(model), context, DTYPE_SIZES).values()))
+        ms = cache.put(key, ms)
+    chosen = min(ms, key=ms.get)
+    log(f"[eval] eval.dtype=auto: {chosen} (one verify pass at {', '.join(map(str, DTYPE_SIZES))} tree tokens: "
+        + ", ".join(f"{d} {v:.0f} ms" for d, v in ms.items()) + " summed)")
+    return models[chosen], {"verify_ms": ms, "chosen": chosen}
+
+
 def record_key(record: dict) -> tuple:
     """What identifies a record within one eval fingerprint."""
     return record["dataset"], str(record["id"]), record["method"], float(record["temperature"])
@@ -371,8 +415,10 @@ def run(cfg: DictConfig) -> dict:
         torch.set_num_threads(cfg.eval.num_threads)
     out = stage_dir(cfg, "eval")
     out.mkdir(parents=True, exist_ok=True)
-    target = load_target(cfg)
     tokenizer = load_tokenizer(cfg)
+    shared_dir = Path(cfg.eval.shared_dir)
+    fresh = "eval" in cfg.force
+    target, dtype_choice = eval_target(cfg, tokenizer, shared_dir / "sizing", fresh)
     head = load_head(stage_dir(cfg, "train") / "head", target).to(target.device, target.dtype)
     kind = head_type(head)
     decoder = SpecDecoder(target, eos_token_ids(target, tokenizer))
@@ -383,10 +429,8 @@ def run(cfg: DictConfig) -> dict:
 
     methods = resolve_methods(OmegaConf.to_container(cfg.eval.methods) if OmegaConf.is_config(cfg.eval.methods)
                               else cfg.eval.methods, kind)
-    fresh = "eval" in cfg.force
     store = Records(out, fingerprint(cfg, "eval"), methods, fresh)
     identity = target_identity(target_fingerprint(cfg), decoder.eos, target)
-    shared_dir = Path(cfg.eval.shared_dir)
     baselines = (Baselines(shared_dir, {**identity, **baseline_settings(cfg)}, fresh) if cfg.eval.share_baselines
                  else None)
     if store.tree is not None:
@@ -405,7 +449,7 @@ def run(cfg: DictConfig) -> dict:
     results = aggregate(records)
     report = {
         "target": cfg.model.name, "head": kind, "device": str(target.device), "dtype": str(target.dtype),
-        "cpu_threads": torch.get_num_threads(),
+        "dtype_choice": dtype_choice, "cpu_threads": torch.get_num_threads(),
         "head_params": sum(v.numel() for v in head.trained_state_dict().values() if v.is_floating_point()),
         "head_extra_memory_mb": _mb(chain(head.parameters(), head.buffers())),
         "target_params": sum(p.numel() for p in target.parameters()),

@@ -26,13 +26,14 @@ from eval.stage import (
     converse,
     divergence,
     eos_token_ids,
+    eval_target,
     first_divergence,
     turn_prompt,
 )
 from heads.io import save_head
 from train.target import load_target, load_tokenizer
 
-REPORT_KEYS = {"target", "head", "device", "dtype", "head_params", "head_extra_memory_mb", "target_params",
+REPORT_KEYS = {"target", "head", "device", "dtype", "dtype_choice", "head_params", "head_extra_memory_mb", "target_params",
                "tree", "results", "recommendations"}
 METHODS = {"eagle3": {"plain", "ngram", "eagle3-tree", "eagle3-chain", "eagle3+ngram-tree"},
            "medusa": {"plain", "ngram", "medusa-tree", "medusa-chain", "medusa+ngram-tree"}}
@@ -65,6 +66,7 @@ def test_eval_stage_end_to_end(cfg_factory, tmp_path, monkeypatch, kind):
                            "eval.temperatures=[0.0,1.0]"],
                 "medusa": ["eval.datasets=[humaneval]", "tracking=wandb", "tracking.mode=offline"]}
     cfg = cfg_factory("model=tiny-llama", f"head={kind}", "stages=[train,eval]", "eval.limit=2", "eval.warmup=0",
+                      "eval.dtype=float32",   # the identity checks below hold in fp32 (auto may pick bf16 on a CPU)
                       "eval.max_new_tokens=12", "eval.tree.sizes=[1,2,4,8]", "eval.tree.context=48",
                       "eval.tree.calibration_prompts=1", *per_kind[kind])
     stages.run_stages(cfg)
@@ -114,6 +116,38 @@ def test_eval_stage_end_to_end(cfg_factory, tmp_path, monkeypatch, kind):
     else:
         assert pngs == {"speedup_T0.0.png", "accept_hist_T0.0.png"}
         assert list((tmp_path / "tiny-llama" / "medusa" / "wandb").glob("offline-run-*"))
+
+
+def test_eval_dtype_auto_measures_both_precisions_on_a_bf16_cpu(cfg_factory, tmp_path, monkeypatch):
+    """eval.dtype=auto on a CPU with native bf16: float32 and bfloat16 copies are timed (alternating, twice) and
+    the faster decodes; the choice is kept per target + machine and reused; elsewhere, or with an explicit
+    dtype, nothing is measured."""
+    import eval.stage as stage
+
+    faster, calls = {"dtype": torch.bfloat16}, []
+
+    def fake_verify(decoder, context, sizes):   # ms per size: 1 for the faster precision, 3 for the other
+        calls.append(decoder.target.dtype)
+        return {s: 1.0 if decoder.target.dtype == faster["dtype"] else 3.0 for s in sizes}
+
+    monkeypatch.setattr(stage, "measure_verify_time", fake_verify)
+    monkeypatch.setattr(stage, "cpu_has_bf16", lambda: True)
+    cfg = cfg_factory("model=tiny-llama", "eval.tree.context=32")
+    target, info = eval_target(cfg, load_tokenizer(cfg), tmp_path / "sizing")
+    assert target.dtype == torch.bfloat16 and info == {"verify_ms": {"float32": 9.0, "bfloat16": 3.0},
+                                                       "chosen": "bfloat16"}
+    assert calls == [torch.float32, torch.bfloat16] * 2
+    faster["dtype"] = torch.float32
+    assert eval_target(cfg, load_tokenizer(cfg), tmp_path / "sizing")[0].dtype == torch.bfloat16   # kept
+    assert len(calls) == 4
+    target, info = eval_target(cfg, load_tokenizer(cfg), tmp_path / "sizing", fresh=True)
+    assert target.dtype == torch.float32 and info["chosen"] == "float32" and len(calls) == 8
+    for overrides, dtype in [(["eval.dtype=bfloat16"], torch.bfloat16), (["dtype=float32"], torch.float32)]:
+        target, info = eval_target(cfg_factory("model=tiny-llama", *overrides), load_tokenizer(cfg), None, True)
+        assert (target.dtype, info) == (dtype, None)
+    monkeypatch.setattr(stage, "cpu_has_bf16", lambda: False)
+    target, info = eval_target(cfg, load_tokenizer(cfg), None, True)
+    assert (target.dtype, info, len(calls)) == (torch.float32, None, 8)
 
 
 # ---------------------------------------------------------------------------------------------------

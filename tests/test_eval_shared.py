@@ -21,7 +21,8 @@ from tests.test_eval import fake_train, one_thread  # noqa: F401  (autouse fixtu
 from train.target import load_target, load_tokenizer
 
 EVAL = ["model=tiny-llama", "stages=[train,eval]", "eval.datasets=[builtin]", "eval.limit=2", "eval.warmup=1",
-        "eval.max_new_tokens=8", "eval.tree.sizes=[1,2,4]", "eval.tree.context=32", "eval.tree.calibration_prompts=1"]
+        "eval.max_new_tokens=8", "eval.tree.sizes=[1,2,4]", "eval.tree.context=32", "eval.tree.calibration_prompts=1",
+        "eval.dtype=float32"]   # verify passes counted below: none for eval.dtype=auto's choice (test_eval.py)
 
 
 @pytest.fixture

@@ -179,7 +179,7 @@ def test_data_stage_with_openai_backend_equals_hf(tiny, tmp_path):
     from train.stages import run_stages, stage_dir
 
     base = ["model=tiny-llama", "stages=[data]", "data.sources=[{type:builtin,limit:6}]", "data.regen.max_new_tokens=12",
-            "head.draft_vocab_size=64"]
+            "head.draft_vocab_size=64", "data.regen.dtype=float32"]   # the stub server's precision (auto: bf16 on some CPUs)
     stub = stub_for(tiny)
     try:
         cfgs = [make_cfg([*base, f"output_root={tmp_path / 'hf'}"]),

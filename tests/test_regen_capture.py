@@ -110,14 +110,15 @@ def test_extract_from_regeneration_equals_a_separate_pass(tmp_path, text_twin, d
         assert (a[key][1] == b[key][1]).float().mean() >= (1.0 if dtype == "float32" else 0.95)
 
 
-@pytest.mark.parametrize("amx", [True, False])
-def test_regen_dtype_auto_is_bf16_on_an_amx_cpu_else_the_runs_dtype(amx, monkeypatch):
-    """data.regen.dtype=auto regenerates in bfloat16 on a CPU with AMX bf16 tiles, elsewhere in the run's dtype;
-    an explicit value wins."""
+@pytest.mark.parametrize("caps,native", [({"amx_bf16": True}, True), ({"avx512_bf16": True, "amx_bf16": False}, True),
+                                         ({"avx512_bf16": False, "amx_bf16": False, "avx2": True}, False)])
+def test_regen_dtype_auto_is_bf16_on_a_cpu_with_native_bf16_else_the_runs_dtype(caps, native, monkeypatch):
+    """data.regen.dtype=auto regenerates in bfloat16 on a CPU with AMX tiles or AVX-512 BF16, elsewhere in the
+    run's dtype; an explicit value wins."""
     from train.target import regen_dtype
 
-    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"amx_bf16": amx})
-    assert regen_dtype(make_cfg(["device=cpu"])) == (torch.bfloat16 if amx else torch.float32)
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps)
+    assert regen_dtype(make_cfg(["device=cpu"])) == (torch.bfloat16 if native else torch.float32)
     assert regen_dtype(make_cfg(["device=cpu", "dtype=bfloat16"])) == torch.bfloat16
     assert regen_dtype(make_cfg(["device=cpu", "data.regen.dtype=bfloat16"])) == torch.bfloat16
     assert regen_dtype(make_cfg(["device=cpu", "dtype=bfloat16", "data.regen.dtype=float32"])) == torch.float32
