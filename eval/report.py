@@ -121,8 +121,11 @@ def markdown(report: dict) -> str:
     timed = ("the same process, prompt by prompt" if not shared.get("reused") else
              f"another process for the reused records ({_counts(shared['reused'])} from `{shared['file']}`: "
              "an earlier eval of this target on this machine; `eval.share_baselines=false` times them here)")
+    choice = report.get("dtype_choice")
+    chosen = "" if not choice else (" (`eval.dtype=auto`, one verify pass at 1, 4 and 8 tree tokens summed: " + ", ".join(
+        f"{d} {ms:.0f} ms" for d, ms in choice["verify_ms"].items()) + ")")
     lines = [f"# Speculative decoding eval: {report['target']} + {report['head']} head", "",
-             f"Device {report['device']} ({report['cpu_threads']} CPU threads), {report['dtype']}. Speedup = tokens/s "
+             f"Device {report['device']} ({report['cpu_threads']} CPU threads), {report['dtype']}{chosen}. Speedup = tokens/s "
              f"over plain decoding measured in {timed}. tau = new tokens / target forward passes (prefill included).",
              "", "## What speculation costs", ""]
     lines += _table(["", "parameters", "memory (MB)"], [

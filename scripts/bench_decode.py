@@ -7,7 +7,8 @@ Prints (1) the target's verify time against the number of tree tokens, (2) per-s
 head (the trained one under ``<run-dir>/train/head``, else a random-weight one) and of the n-gram
 drafter, (3) tau / tokens/s / speedup over plain decoding, greedy, on a few built-in validation prompts.
 Extra ``key=value`` arguments are Hydra overrides of conf/config.yaml (e.g. ``eval.tree.total_tokens=8``,
-``eval.num_threads=1`` on a machine shared with other jobs).
+``eval.num_threads=1`` on a machine shared with other jobs, ``eval.dtype=bfloat16``). The target decodes in
+the eval stage's precision (``eval.dtype``; ``auto`` may time float32 against bfloat16 first).
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from eval.decoder import SpecDecoder  # noqa: E402
 from eval.drafters import build_drafter  # noqa: E402
 from eval.prompts import load_prompts  # noqa: E402
 from eval.report import aggregate  # noqa: E402
-from eval.stage import context_ids, eos_token_ids, evaluate, resolve_methods, size_tree  # noqa: E402
+from eval.stage import context_ids, eos_token_ids, eval_target, evaluate, resolve_methods, size_tree  # noqa: E402
 from eval.treesize import draft_times  # noqa: E402
 from heads.io import head_type, load_head  # noqa: E402
 from train.config import compose  # noqa: E402
-from train.target import load_target, load_tokenizer  # noqa: E402
+from train.target import load_tokenizer  # noqa: E402
 
 
 def parse() -> tuple[argparse.Namespace, list[str]]:
@@ -55,7 +56,8 @@ def main() -> None:
                    f"eval.max_new_tokens={args.max_new_tokens}", "eval.temperatures=[0.0]", *overrides])
     if cfg.eval.num_threads:
         torch.set_num_threads(cfg.eval.num_threads)
-    target, tokenizer = load_target(cfg), load_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg)
+    target, _ = eval_target(cfg, tokenizer)   # eval.dtype, as the eval stage decodes
     if args.run_dir:
         head = load_head(Path(args.run_dir) / "train" / "head", target).to(target.device, target.dtype)
         source = f"trained head from {args.run_dir}"

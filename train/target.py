@@ -64,8 +64,10 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on GPU, float32 on CPU (even with AMX tiles, batch-1 decoding and head training gain
-    nothing from bf16 there: README, "bf16 on a CPU")."""
+    """``auto``: bfloat16 on GPU, float32 on CPU. Even where the CPU multiplies bf16 natively the run stays
+    float32: heads trained in bf16 there learn less per step (AMD Zen 4: 1.8x the steps, a worse head) and
+    gain little per step on AMX; regeneration (``data.regen.dtype``) and decoding (``eval.dtype``) choose bf16
+    on their own where it pays (README, "bf16 on a CPU")."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
