@@ -24,7 +24,7 @@ import json
 import os
 from itertools import chain
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -120,11 +120,12 @@ def classify_divergence(logits: torch.Tensor, plain_token: int | None, method_to
 
 
 class Fp32Scorer:
-    """The target's float32 next-token logits after a token prefix. A target running in lower precision
-    is copied and upcast on the first call (only divergences pay for it: one more fp32 copy in memory)."""
+    """The target's float32 next-token logits after a token prefix: ``fp32``, the float32 target when the caller
+    holds one (its weights as loaded), else a target running in lower precision is copied and upcast on the first
+    call (only divergences pay for it: one more fp32 copy in memory)."""
 
-    def __init__(self, target):
-        self.target, self.model = target, None
+    def __init__(self, target, fp32=None):
+        self.target, self.model = target, fp32
 
     @torch.inference_mode()
     def __call__(self, ids: list[int]) -> torch.Tensor:
@@ -229,20 +230,25 @@ def size_tree(cfg: DictConfig, decoder: SpecDecoder, head, tokenizer, cache: Jso
 DTYPE_SIZES = (1, 4, 8)
 
 
-def eval_target(cfg: DictConfig, tokenizer, cache_dir: Path | None = None,
-                fresh: bool = False) -> tuple[torch.nn.Module, dict | None]:
+class EvalTarget(NamedTuple):
+    model: torch.nn.Module              # the target in the precision the eval decodes in
+    fp32: torch.nn.Module | None        # the float32 target, when eval.dtype=auto loaded one (Fp32Scorer uses it)
+    choice: dict | None                 # what eval.dtype=auto measured: {"verify_ms": {dtype: ms}, "chosen": dtype}
+
+
+def eval_target(cfg: DictConfig, tokenizer, cache_dir: Path | None = None, fresh: bool = False) -> EvalTarget:
     """The target in the precision the eval decodes in (``eval.dtype``), and what chose it. ``auto`` is the run's
     dtype, except on a CPU that multiplies bf16 natively (:func:`train.target.cpu_has_bf16`) while ``dtype`` is
     auto: there float32 and bfloat16 copies verify ``DTYPE_SIZES`` tree tokens after ``eval.tree.context``
     tokens, alternating twice, and the precision with the smaller summed time (min over the rounds) decodes
     everything, plain decoding included (on an AMD Zen 4 bf16 verified 1.7x faster and flat up to 16 tokens,
-    on an Intel Sapphire Rapids batch-1 bf16 was slower: README, "bf16 on a CPU"). Returns (target,
-    {"verify_ms": {dtype: ms}, "chosen": dtype}) or (target, None) when nothing was measured. Kept under
+    on an Intel Sapphire Rapids batch-1 bf16 was slower: README, "bf16 on a CPU"). Kept under
     ``cache_dir`` (a :class:`JsonCache` keyed by the float32 target and machine; ``fresh`` measures again), so
     every head's eval of the target decodes in the same precision and shares its plain and n-gram records."""
     name, device = cfg.eval.get("dtype", "auto"), resolve_device(cfg.device)
     if name != "auto" or cfg.dtype != "auto" or device.type != "cpu" or not cpu_has_bf16():
-        return load_target(cfg, device, resolve_dtype(cfg.dtype if name == "auto" else name, device)), None
+        return EvalTarget(load_target(cfg, device, resolve_dtype(cfg.dtype if name == "auto" else name, device)),
+                          None, None)
     models = {"float32": load_target(cfg, device, torch.float32)}
     models["bfloat16"] = copy.deepcopy(models["float32"]).to(torch.bfloat16)
     prompts, _ = calibration_prompts(cfg, max(cfg.eval.tree.calibration_prompts, 8))
@@ -259,7 +265,7 @@ def eval_target(cfg: DictConfig, tokenizer, cache_dir: Path | None = None,
     chosen = min(ms, key=ms.get)
     log(f"[eval] eval.dtype=auto: {chosen} (one verify pass at {', '.join(map(str, DTYPE_SIZES))} tree tokens: "
         + ", ".join(f"{d} {v:.0f} ms" for d, v in ms.items()) + " summed)")
-    return models[chosen], {"verify_ms": ms, "chosen": chosen}
+    return EvalTarget(models[chosen], models["float32"], {"verify_ms": ms, "chosen": chosen})
 
 
 def record_key(record: dict) -> tuple:
@@ -418,7 +424,7 @@ def run(cfg: DictConfig) -> dict:
     tokenizer = load_tokenizer(cfg)
     shared_dir = Path(cfg.eval.shared_dir)
     fresh = "eval" in cfg.force
-    target, dtype_choice = eval_target(cfg, tokenizer, shared_dir / "sizing", fresh)
+    target, fp32, dtype_choice = eval_target(cfg, tokenizer, shared_dir / "sizing", fresh)
     head = load_head(stage_dir(cfg, "train") / "head", target).to(target.device, target.dtype)
     kind = head_type(head)
     decoder = SpecDecoder(target, eos_token_ids(target, tokenizer))
@@ -442,7 +448,7 @@ def run(cfg: DictConfig) -> dict:
         store.keep_tree(tree)
     ecfg = OmegaConf.merge(cfg.eval, {"tree": {"total_tokens": tree["total_tokens"]}})
     drafters = {m: build_drafter(m, head, target.config.num_hidden_layers, ecfg) for m in methods}
-    scorer = Fp32Scorer(target)
+    scorer = Fp32Scorer(target, fp32)
     records = [r for temperature in cfg.eval.temperatures
                for r in evaluate(cfg, decoder, drafters, tokenizer, prompts, float(temperature), scorer, store,
                                  baselines)]

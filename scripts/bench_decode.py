@@ -57,7 +57,7 @@ def main() -> None:
     if cfg.eval.num_threads:
         torch.set_num_threads(cfg.eval.num_threads)
     tokenizer = load_tokenizer(cfg)
-    target, _ = eval_target(cfg, tokenizer)   # eval.dtype, as the eval stage decodes
+    target = eval_target(cfg, tokenizer).model   # eval.dtype, as the eval stage decodes
     if args.run_dir:
         head = load_head(Path(args.run_dir) / "train" / "head", target).to(target.device, target.dtype)
         source = f"trained head from {args.run_dir}"

@@ -133,21 +133,22 @@ def test_eval_dtype_auto_measures_both_precisions_on_a_bf16_cpu(cfg_factory, tmp
     monkeypatch.setattr(stage, "measure_verify_time", fake_verify)
     monkeypatch.setattr(stage, "cpu_has_bf16", lambda: True)
     cfg = cfg_factory("model=tiny-llama", "eval.tree.context=32")
-    target, info = eval_target(cfg, load_tokenizer(cfg), tmp_path / "sizing")
+    target, fp32, info = eval_target(cfg, load_tokenizer(cfg), tmp_path / "sizing")
     assert target.dtype == torch.bfloat16 and info == {"verify_ms": {"float32": 9.0, "bfloat16": 3.0},
                                                        "chosen": "bfloat16"}
+    assert fp32.dtype == torch.float32 and Fp32Scorer(target, fp32).model is fp32   # divergences re-scored by it
     assert calls == [torch.float32, torch.bfloat16] * 2
     faster["dtype"] = torch.float32
     assert eval_target(cfg, load_tokenizer(cfg), tmp_path / "sizing")[0].dtype == torch.bfloat16   # kept
     assert len(calls) == 4
-    target, info = eval_target(cfg, load_tokenizer(cfg), tmp_path / "sizing", fresh=True)
-    assert target.dtype == torch.float32 and info["chosen"] == "float32" and len(calls) == 8
+    target, fp32, info = eval_target(cfg, load_tokenizer(cfg), tmp_path / "sizing", fresh=True)
+    assert target is fp32 and target.dtype == torch.float32 and info["chosen"] == "float32" and len(calls) == 8
     for overrides, dtype in [(["eval.dtype=bfloat16"], torch.bfloat16), (["dtype=float32"], torch.float32)]:
-        target, info = eval_target(cfg_factory("model=tiny-llama", *overrides), load_tokenizer(cfg), None, True)
-        assert (target.dtype, info) == (dtype, None)
+        target, fp32, info = eval_target(cfg_factory("model=tiny-llama", *overrides), load_tokenizer(cfg), None, True)
+        assert (target.dtype, fp32, info) == (dtype, None, None)
     monkeypatch.setattr(stage, "cpu_has_bf16", lambda: False)
-    target, info = eval_target(cfg, load_tokenizer(cfg), None, True)
-    assert (target.dtype, info, len(calls)) == (torch.float32, None, 8)
+    target, fp32, info = eval_target(cfg, load_tokenizer(cfg), None, True)
+    assert (target.dtype, fp32, info, len(calls)) == (torch.float32, None, None, 8)
 
 
 # ---------------------------------------------------------------------------------------------------
