@@ -293,7 +293,9 @@ def test_two_ranks_stop_together_on_a_time_budget(prepared, tmp_path):
 def test_rank0_only_stage_outlasts_the_collective_timeout(prepared, tmp_path):
     """2 ranks, the eval stage (rank 0 alone, decoding) longer than dist_timeout_minutes: the other rank
     waits on the stage's marker file, not in a collective that would time out."""
-    slow_eval = ["eval.datasets=[builtin]", "eval.limit=4", "eval.max_new_tokens=64", "eval.tree.total_tokens=4"]
+    # ~16 s of decoding here (4 prompts x 64 tokens took 4.8 s on a fast hour of this VM: less than the 6 s timeout)
+    slow_eval = ["eval.datasets=[builtin]", "eval.limit=12", "eval.max_new_tokens=128", "eval.tree.total_tokens=4",
+                 "eval.dtype=float32"]
     cfg = fresh_run(prepared, tmp_path, "stages=[train]", *slow_eval)
     run_stages(cfg)
     deepspeed = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", "29674"]
