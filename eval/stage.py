@@ -409,7 +409,7 @@ def _mb(tensors) -> float:
 
 
 def run(cfg: DictConfig) -> dict:
-    """Writes report.json = {target, head, device, dtype, cpu_threads, head_params, head_extra_memory_mb,
+    """Writes report.json = {target, head, device, dtype, dtype_choice (eval_target), cpu_threads, head_params, head_extra_memory_mb,
     target_params, target_memory_mb, tree, baselines (eval.shared.baseline_summary), results: [{dataset,
     category, method, temperature, n_prompts, new_tokens, cycles, tau, tokens_per_s, plain_tokens_per_s,
     speedup, draft_time_share, identical_to_plain, divergence_rate, divergence_position, ties, mismatches,
