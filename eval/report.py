@@ -122,8 +122,9 @@ def markdown(report: dict) -> str:
              f"another process for the reused records ({_counts(shared['reused'])} from `{shared['file']}`: "
              "an earlier eval of this target on this machine; `eval.share_baselines=false` times them here)")
     choice = report.get("dtype_choice")
-    chosen = "" if not choice else (" (`eval.dtype=auto`, one verify pass at 1, 4 and 8 tree tokens summed: " + ", ".join(
-        f"{d} {ms:.0f} ms" for d, ms in choice["verify_ms"].items()) + ")")
+    chosen = "" if not choice else (f" (`eval.dtype=auto`, one verify pass at {', '.join(map(str, choice['sizes']))} "
+                                    "tree tokens summed: " + ", ".join(f"{d} {ms:.0f} ms" for d, ms in
+                                                                         choice["verify_ms"].items()) + ")")
     lines = [f"# Speculative decoding eval: {report['target']} + {report['head']} head", "",
              f"Device {report['device']} ({report['cpu_threads']} CPU threads), {report['dtype']}{chosen}. Speedup = tokens/s "
              f"over plain decoding measured in {timed}. tau = new tokens / target forward passes (prefill included).",

@@ -233,7 +233,7 @@ DTYPE_SIZES = (1, 4, 8)
 class EvalTarget(NamedTuple):
     model: torch.nn.Module              # the target in the precision the eval decodes in
     fp32: torch.nn.Module | None        # the float32 target, when eval.dtype=auto loaded one (Fp32Scorer uses it)
-    choice: dict | None                 # what eval.dtype=auto measured: {"verify_ms": {dtype: ms}, "chosen": dtype}
+    choice: dict | None                 # what eval.dtype=auto measured: {"sizes", "verify_ms": {dtype: ms}, "chosen"}
 
 
 def eval_target(cfg: DictConfig, tokenizer, cache_dir: Path | None = None, fresh: bool = False) -> EvalTarget:
@@ -265,7 +265,7 @@ def eval_target(cfg: DictConfig, tokenizer, cache_dir: Path | None = None, fresh
     chosen = min(ms, key=ms.get)
     log(f"[eval] eval.dtype=auto: {chosen} (one verify pass at {', '.join(map(str, DTYPE_SIZES))} tree tokens: "
         + ", ".join(f"{d} {v:.0f} ms" for d, v in ms.items()) + " summed)")
-    return EvalTarget(models[chosen], models["float32"], {"verify_ms": ms, "chosen": chosen})
+    return EvalTarget(models[chosen], models["float32"], {"sizes": list(DTYPE_SIZES), "verify_ms": ms, "chosen": chosen})
 
 
 def record_key(record: dict) -> tuple:
@@ -409,8 +409,8 @@ def _mb(tensors) -> float:
 
 
 def run(cfg: DictConfig) -> dict:
-    """Writes report.json = {target, head, device, dtype, dtype_choice (eval_target), cpu_threads, head_params, head_extra_memory_mb,
-    target_params, target_memory_mb, tree, baselines (eval.shared.baseline_summary), results: [{dataset,
+    """Writes report.json = {target, head, device, dtype, dtype_choice (eval_target), cpu_threads, head_params,
+    head_extra_memory_mb, target_params, target_memory_mb, tree, baselines (eval.shared.baseline_summary), results: [{dataset,
     category, method, temperature, n_prompts, new_tokens, cycles, tau, tokens_per_s, plain_tokens_per_s,
     speedup, draft_time_share, identical_to_plain, divergence_rate, divergence_position, ties, mismatches,
     acceptance}],

@@ -134,7 +134,7 @@ def test_eval_dtype_auto_measures_both_precisions_on_a_bf16_cpu(cfg_factory, tmp
     monkeypatch.setattr(stage, "cpu_has_bf16", lambda: True)
     cfg = cfg_factory("model=tiny-llama", "eval.tree.context=32")
     target, fp32, info = eval_target(cfg, load_tokenizer(cfg), tmp_path / "sizing")
-    assert target.dtype == torch.bfloat16 and info == {"verify_ms": {"float32": 9.0, "bfloat16": 3.0},
+    assert target.dtype == torch.bfloat16 and info == {"sizes": [1, 4, 8], "verify_ms": {"float32": 9.0, "bfloat16": 3.0},
                                                        "chosen": "bfloat16"}
     assert fp32.dtype == torch.float32 and Fp32Scorer(target, fp32).model is fp32   # divergences re-scored by it
     assert calls == [torch.float32, torch.bfloat16] * 2
@@ -282,9 +282,10 @@ def test_sampled_records_have_no_divergence_stats_and_bugs_reach_the_markdown():
     tree = {"top_k": 4, "depth": 5, "total_tokens": 8, "total_tokens_source": "config", "chain_k": 3,
             "verify_ms": {"1": 1.0}}
     md = markdown({"target": "t", "head": "eagle3", "device": "cpu", "dtype": "torch.bfloat16", "cpu_threads": 1,
-                   "dtype_choice": {"verify_ms": {"float32": 90.4, "bfloat16": 60.0}, "chosen": "bfloat16"},
+                   "dtype_choice": {"sizes": [1, 4, 8], "verify_ms": {"float32": 90.4, "bfloat16": 60.0},
+                                    "chosen": "bfloat16"},
                    "target_params": 10, "target_memory_mb": 1.0, "head_params": 1, "head_extra_memory_mb": 0.1,
                    "tree": tree, "results": greedy, "recommendations": recommend(greedy, 1.05),
                    "decoder_bugs": decoder_bugs(greedy)})
     assert "## DECODER BUGS" in md and "**ngram**, 1 of 1 prompts" in md and "| 100.0% |" in md
-    assert "**plain decoding**" in md and "torch.bfloat16 (`eval.dtype=auto`, " in md and "float32 90 ms, bfloat16 60 ms" in md
+    assert "**plain decoding**" in md and "torch.bfloat16 (`eval.dtype=auto`, one verify pass at 1, 4, 8 tree tokens" in md and "float32 90 ms, bfloat16 60 ms" in md
