@@ -108,48 +108,78 @@ def first_divergence(plain: list[list[int]], other: list[list[int]]) -> tuple[in
 
 
 def classify_divergence(logits: torch.Tensor, plain_token: int | None, method_token: int | None,
-                        tolerance: float) -> tuple[str, float | None]:
+                        tolerance: float, error: torch.Tensor | None = None) -> tuple[str, float | None]:
     """Judge a divergence from the target's float32 next-token ``logits`` at its position: returns (kind,
     gap), gap = logit[plain_token] - logit[method_token]. ``tie`` (numerical: a low-precision argmax may
-    flip) when |gap| <= tolerance * max(1, |logit[plain_token]|, |logit[method_token]|), else ``mismatch``
-    (a decoder bug); a length difference (a token is None) is always a mismatch."""
+    flip) when |gap| <= tolerance * max(1, |logit[plain_token]|, |logit[method_token]|) + the spread of
+    ``error`` (the decoding precision's logits minus the float32 ones there; None in float32), else
+    ``mismatch`` (a decoder bug); a length difference (a token is None) is always a mismatch."""
     if plain_token is None or method_token is None:
         return "mismatch", None
     a, b = float(logits[plain_token]), float(logits[method_token])
-    return ("tie" if abs(a - b) <= tolerance * max(1.0, abs(a), abs(b)) else "mismatch"), a - b
+    margin = tolerance * max(1.0, abs(a), abs(b)) + precision_spread(logits, error, plain_token, method_token)
+    return ("tie" if abs(a - b) <= margin else "mismatch"), a - b
+
+
+# The float32 top tokens over which the decoding precision's logit error is spread (plus the two diverging).
+SPREAD_TOP = 10
+
+
+def precision_spread(logits: torch.Tensor, error: torch.Tensor | None, *tokens: int) -> float:
+    """How far rounding moved the target's logits apart at one position: max - min of ``error`` (low-precision
+    minus float32 logits) over the float32 top ``SPREAD_TOP`` and ``tokens``; 0.0 without an error (float32).
+    Two tokens whose float32 logits differ by less than this can swap places in another low-precision pass."""
+    if error is None:
+        return 0.0
+    idx = torch.cat([logits.topk(SPREAD_TOP).indices, torch.tensor(tokens, device=logits.device)])
+    return float(error[idx].max() - error[idx].min())
 
 
 class Fp32Scorer:
-    """The target's float32 next-token logits after a token prefix: ``fp32``, the float32 target when the caller
-    holds one (its weights as loaded), else a target running in lower precision is copied and upcast on the first
-    call (only divergences pay for it: one more fp32 copy in memory)."""
+    """The target's float32 next-token logits after a token prefix, and the decoding precision's error there.
+    ``target`` decodes (any precision); ``fp32``, the float32 target when the caller holds one (its weights as
+    loaded), else a target running in lower precision is copied and upcast on the first call (only
+    divergences pay for it: one more fp32 copy in memory)."""
 
     def __init__(self, target, fp32=None):
         self.target, self.model = target, fp32
 
+    @staticmethod
     @torch.inference_mode()
+    def _logits(model, ids: list[int]) -> torch.Tensor:
+        ids_t = torch.tensor([ids], device=next(model.parameters()).device)
+        return model(ids_t, logits_to_keep=1).logits[0, -1].float()
+
     def __call__(self, ids: list[int]) -> torch.Tensor:
         if self.model is None:
             fp32 = self.target.dtype == torch.float32
             self.model = self.target if fp32 else copy.deepcopy(self.target).float().eval()
-        ids_t = torch.tensor([ids], device=next(self.model.parameters()).device)
-        return self.model(ids_t, logits_to_keep=1).logits[0, -1].float()
+        return self._logits(self.model, ids)
+
+    def error(self, ids: list[int], logits: torch.Tensor) -> torch.Tensor | None:
+        """The decoding precision's next-token logits after ``ids`` minus their float32 ``logits`` (None when
+        the target decodes in float32)."""
+        return None if self.target.dtype == torch.float32 else self._logits(self.target, ids) - logits
 
 
 def divergence(scorer: Fp32Scorer, tokenizer, prompt: EvalPrompt, cfg: DictConfig, plain: list[list[int]],
                other: list[list[int]]) -> dict | None:
     """None when ``other`` reproduces ``plain`` (tokens per turn); else its first divergence: {position
-    (tokens matched before it), turn, plain_token, method_token, fp32_gap, kind: tie | mismatch}, judged
-    by :func:`classify_divergence` on one fp32 forward of the common prefix."""
+    (tokens matched before it), turn, plain_token, method_token, fp32_gap, precision_spread (None in
+    float32), kind: tie | mismatch}, judged by :func:`classify_divergence` on one fp32 forward of the common
+    prefix and, when the target decodes in lower precision, one forward of it there."""
     where = first_divergence(plain, other)
     if where is None:
         return None
     turn, i, position = where
     context = turn_prompt(tokenizer, prompt, cfg, plain[:turn]) + plain[turn][:i]
     tokens = [seq[turn][i] if i < len(seq[turn]) else None for seq in (plain, other)]
-    kind, gap = classify_divergence(scorer(context), *tokens, cfg.eval.tie_tolerance)
+    logits = scorer(context)
+    error = scorer.error(context, logits)
+    kind, gap = classify_divergence(logits, *tokens, cfg.eval.tie_tolerance, error)
+    spread = None if error is None or None in tokens else precision_spread(logits, error, *tokens)
     return {"position": position, "turn": turn, "plain_token": tokens[0], "method_token": tokens[1],
-            "fp32_gap": gap, "kind": kind}
+            "fp32_gap": gap, "precision_spread": spread, "kind": kind}
 
 
 def context_ids(tokenizer, prompts: list[EvalPrompt], length: int) -> list[int]:
@@ -331,7 +361,7 @@ def judge(scorer: Fp32Scorer, tokenizer, prompt: EvalPrompt, cfg: DictConfig, re
     if div and div["kind"] == "mismatch":
         log(f"[eval] DECODER BUG: {record['method']} departs from plain decoding on {prompt.dataset}/{prompt.id} "
             f"after {div['position']} tokens: {div['method_token']} instead of {div['plain_token']} "
-            f"(fp32 logit gap {div['fp32_gap']})")
+            f"(fp32 logit gap {div['fp32_gap']}, low-precision spread {div['precision_spread']})")
     return {**record, "identical": div is None if greedy else None, "divergence": div}
 
 

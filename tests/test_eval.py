@@ -28,6 +28,7 @@ from eval.stage import (
     eos_token_ids,
     eval_target,
     first_divergence,
+    precision_spread,
     turn_prompt,
 )
 from heads.io import save_head
@@ -175,6 +176,21 @@ def test_classify_divergence_from_logits():
     assert classify_divergence(logits, 0, None, 0.02) == ("mismatch", None)              # a length difference
 
 
+def test_classify_divergence_widens_by_the_decoding_precisions_error():
+    """In low precision the margin adds the spread of its logit error over the float32 top tokens: a 0.5 gap
+    (beyond 0.02 x 10) is a tie where rounding moved those logits 0.4 apart, a 1.0 gap is not."""
+    logits = torch.cat([torch.tensor([10.0, 9.5, 9.0]), torch.linspace(8.0, -5.0, 13)])
+    error = torch.zeros_like(logits)
+    error[4], error[15] = 0.3, -14.9                     # token 15: outside the top 10, counted only as one of the pair
+    error[7] = -0.1                                       # in the top 10: spread 0.3 - (-0.1) = 0.4
+    assert precision_spread(logits, error, 0, 1) == pytest.approx(0.4)
+    assert precision_spread(logits, None, 0, 1) == 0.0
+    assert classify_divergence(logits, 0, 1, 0.02)[0] == "mismatch"                     # float32: 0.5 > 0.2
+    assert classify_divergence(logits, 0, 1, 0.02, error) == ("tie", pytest.approx(0.5))  # 0.5 <= 0.2 + 0.4
+    assert classify_divergence(logits, 0, 2, 0.02, error)[0] == "mismatch"              # 1.0 > 0.6
+    assert classify_divergence(logits, 0, 15, 0.02, error)[0] == "tie"      # gap 15 <= 0.2 + 15.2: rounding moved it
+
+
 @pytest.fixture(scope="module")
 def tiny_plain(tiny_llama_cfg):
     """A tiny fp32 target, a 2-turn prompt and its plain greedy answers (12 tokens a turn)."""
@@ -203,7 +219,8 @@ def test_divergence_mismatch_on_tiny_target(tiny_plain):
     worst = int(logits.argmin())
     div = divergence(scorer, tokenizer, prompt, cfg, plain, [plain[0], plain[1][:2] + [worst, 5, 6]])
     assert div == {"position": 14, "turn": 1, "plain_token": plain[1][2], "method_token": worst,
-                   "fp32_gap": pytest.approx(float(logits.max() - logits.min())), "kind": "mismatch"}
+                   "fp32_gap": pytest.approx(float(logits.max() - logits.min())), "precision_spread": None,
+                   "kind": "mismatch"}
     assert div["fp32_gap"] > 0.1
 
 
@@ -224,6 +241,25 @@ def test_divergence_tie_on_tiny_target(tiny_plain):
     assert abs(div["fp32_gap"]) < 1e-5
     clear = divergence(Fp32Scorer(target), tokenizer, prompt, cfg, plain, [plain[0][:3] + [twin], plain[1]])
     assert clear["kind"] == "mismatch"                      # the same output on the original target
+
+
+def test_divergence_in_bf16_measures_the_precisions_error_and_still_catches_a_wrong_token(tiny_plain):
+    """A bf16 target decoding: the judge scores the divergence with the float32 target and the bf16 one; the
+    spread of their difference is recorded, and a method that takes the least likely token is still a
+    mismatch. In float32 no second forward is made (spread None)."""
+    cfg, target, tokenizer, prompt, plain, _ = tiny_plain
+    bf16 = copy.deepcopy(target).to(torch.bfloat16)
+    scorer = Fp32Scorer(bf16, target)
+    context = turn_prompt(tokenizer, prompt, cfg, plain[:1]) + plain[1][:2]
+    logits = scorer(context)
+    error = scorer.error(context, logits)
+    assert error is not None and error.abs().max() > 0 and Fp32Scorer(target).error(context, logits) is None
+    worst = int(logits.argmin())
+    div = divergence(scorer, tokenizer, prompt, cfg, plain, [plain[0], plain[1][:2] + [worst, 5, 6]])
+    assert div["kind"] == "mismatch" and 0 < div["precision_spread"] < abs(div["fp32_gap"])
+    assert div["precision_spread"] == pytest.approx(precision_spread(logits, error, plain[1][2], worst))
+    assert divergence(Fp32Scorer(target), tokenizer, prompt, cfg, plain,
+                      [plain[0], plain[1][:2] + [worst, 5, 6]])["precision_spread"] is None
 
 
 def test_fp32_scorer_upcasts_a_copy_of_a_bf16_target(tiny_plain):
