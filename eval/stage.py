@@ -279,23 +279,26 @@ def eval_target(cfg: DictConfig, tokenizer, cache_dir: Path | None = None, fresh
     if name != "auto" or cfg.dtype != "auto" or device.type != "cpu" or not cpu_has_bf16():
         return EvalTarget(load_target(cfg, device, resolve_dtype(cfg.dtype if name == "auto" else name, device)),
                           None, None)
-    models = {"float32": load_target(cfg, device, torch.float32)}
-    models["bfloat16"] = copy.deepcopy(models["float32"]).to(torch.bfloat16)
+    fp32 = load_target(cfg, device, torch.float32)
+    models = {"float32": fp32, "bfloat16": None}      # the bf16 copy is made when measured or chosen
     prompts, _ = calibration_prompts(cfg, max(cfg.eval.tree.calibration_prompts, 8))
     context = context_ids(tokenizer, prompts, cfg.eval.tree.context)
-    cache = JsonCache(cache_dir, target_identity(target_fingerprint(cfg), [], models["float32"]), fresh)
+    cache = JsonCache(cache_dir, target_identity(target_fingerprint(cfg), [], fp32), fresh)
     key = {"dtype_choice": DTYPE_SIZES, "context": digest(context)}
     ms = cache.get(key)
     if ms is None:
+        models["bfloat16"] = copy.deepcopy(fp32).to(torch.bfloat16)
         ms = dict.fromkeys(models, float("inf"))
         for _ in range(2):
             for dtype, model in models.items():
                 ms[dtype] = min(ms[dtype], sum(measure_verify_time(SpecDecoder(model), context, DTYPE_SIZES).values()))
         ms = cache.put(key, ms)
     chosen = min(ms, key=ms.get)
+    if models[chosen] is None:
+        models[chosen] = copy.deepcopy(fp32).to(torch.bfloat16)
     log(f"[eval] eval.dtype=auto: {chosen} (one verify pass at {', '.join(map(str, DTYPE_SIZES))} tree tokens: "
         + ", ".join(f"{d} {v:.0f} ms" for d, v in ms.items()) + " summed)")
-    return EvalTarget(models[chosen], models["float32"], {"sizes": list(DTYPE_SIZES), "verify_ms": ms, "chosen": chosen})
+    return EvalTarget(models[chosen], fp32, {"sizes": list(DTYPE_SIZES), "verify_ms": ms, "chosen": chosen})
 
 
 def record_key(record: dict) -> tuple:

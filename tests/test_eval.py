@@ -144,6 +144,13 @@ def test_eval_dtype_auto_measures_both_precisions_on_a_bf16_cpu(cfg_factory, tmp
     assert len(calls) == 4
     target, fp32, info = eval_target(cfg, load_tokenizer(cfg), tmp_path / "sizing", fresh=True)
     assert target is fp32 and target.dtype == torch.float32 and info["chosen"] == "float32" and len(calls) == 8
+    copies, deepcopy = [], copy.deepcopy
+    monkeypatch.setattr(copy, "deepcopy", lambda x, *a: copies.append(isinstance(x, torch.nn.Module)) or deepcopy(x, *a))
+    assert eval_target(cfg, load_tokenizer(cfg), tmp_path / "sizing")[0].dtype == torch.float32   # kept
+    assert (any(copies), len(calls)) == (False, 8)               # float32 kept: no bf16 copy of the target made
+    monkeypatch.undo()
+    monkeypatch.setattr(stage, "measure_verify_time", fake_verify)
+    monkeypatch.setattr(stage, "cpu_has_bf16", lambda: True)
     for overrides, dtype in [(["eval.dtype=bfloat16"], torch.bfloat16), (["dtype=float32"], torch.float32)]:
         target, fp32, info = eval_target(cfg_factory("model=tiny-llama", *overrides), load_tokenizer(cfg), None, True)
         assert (target.dtype, fp32, info) == (dtype, None, None)
