@@ -2,8 +2,8 @@
 
 Greedy losslessness is reported, not assumed: per method the share of prompts whose output departs from
 plain decoding, where (tokens matched first), and how many of those first divergences the float32
-target calls a near-tie (numerical: bf16 rounding flipped an argmax) or a real mismatch (a decoder bug,
-which excludes the method from the recommendations)."""
+target calls a near-tie (numerical: bf16 rounding, measured there, flipped an argmax) or a real mismatch (a
+decoder bug, which excludes the method from the recommendations)."""
 
 from __future__ import annotations
 
@@ -162,7 +162,9 @@ def markdown(report: dict) -> str:
                          "diverged", "tokens before", "ties", "mismatches"], rows) + [""]
     lines += ["Greedy only: diverged = share of prompts whose output departs from plain decoding; tokens before = "
               "mean tokens matched before the first divergence; the target re-scores that position in float32: a "
-              "tie is a numerical near-tie (low precision flipped an argmax), a mismatch a decoder bug.", ""]
+              "tie is a numerical near-tie (the two tokens' float32 logits are within eval.tie_tolerance plus the "
+              "decoding precision's measured logit error there: low precision flipped an argmax), a mismatch a "
+              "decoder bug.", ""]
     if report.get("decoder_bugs"):
         lines += ["## DECODER BUGS", "", "**These methods depart from plain greedy decoding where the float32 target "
                   "has a clear argmax: not lossless, excluded from the recommendations.**", ""]

@@ -14,7 +14,8 @@ field says how many were reused (their timings come from another process). The t
 measurements are cached there too. At temperature 0 every method must reproduce plain greedy decoding
 token for token (reused plain tokens included). Where it does not (in bf16 a tree verify and a one-token
 step round differently, so near-tie argmaxes can flip), the first divergence is re-scored by the target in
-float32: a "tie" is numerical, a "mismatch" a decoder bug.
+float32 and in the decoding precision: a "tie" is numerical (within the rounding measured there), a
+"mismatch" a decoder bug.
 """
 
 from __future__ import annotations
