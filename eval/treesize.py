@@ -26,27 +26,27 @@ SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 @torch.inference_mode()
-def measure_verify_time(decoder: SpecDecoder, context: list[int], sizes: tuple[int, ...] = SIZES, repeats: int = 3,
+def measure_verify_time(decoder: SpecDecoder, context: list[int], sizes: tuple[int, ...] = SIZES, repeats: int = 4,
                         hidden_layers: list[int] | None = None, bar: tqdm | None = None) -> dict[int, float]:
     """Median ms of one verify pass over ``T`` tree tokens (root + a chain of T - 1 nodes, taken from
-    ``context`` itself) after ``context`` is cached, for each T in ``sizes``; ``bar`` (a progress bar)
-    advances by one per size."""
+    ``context`` itself) after ``context`` is cached, for each T in ``sizes``. The sizes are measured in
+    rounds, one pass each, the order reversed every round (after a warm-up round), so a machine whose speed
+    drifts during the measurement slows every size alike: with an even ``repeats`` a linear drift cancels
+    in each size's median. ``bar`` (a progress bar) advances by one per size, in the last round."""
     layers = hidden_layers or []
     cache, _, _ = decoder.prefill(context[:-1], layers)
     past = cache.get_seq_length()
-    timings = {}
-    for size in sizes:
-        tree = DraftTree.chain(context[:size - 1])
-        times = []
-        for _ in range(repeats + 1):           # the first call warms up
+    trees = {size: DraftTree.chain(context[:size - 1]) for size in sizes}
+    times: dict[int, list[float]] = {size: [] for size in sizes}
+    for round_ in range(repeats + 1):
+        for size in sizes if round_ % 2 == 0 else sizes[::-1]:
             start = decoder.clock()
-            decoder.verify(cache, context[-1], tree, layers)
-            times.append(decoder.clock() - start)
+            decoder.verify(cache, context[-1], trees[size], layers)
+            times[size].append(decoder.clock() - start)
             cache.crop(-(cache.get_seq_length() - past))
-        timings[size] = 1e3 * statistics.median(times[1:])
-        if bar is not None:
-            bar.update()
-    return timings
+            if bar is not None and round_ == repeats:
+                bar.update()
+    return {size: 1e3 * statistics.median(t[1:]) for size, t in times.items()}   # the first round warms up
 
 
 @torch.inference_mode()

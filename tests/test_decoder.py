@@ -5,12 +5,14 @@ EOS inside an accepted path, the max_new_tokens boundary, and tree sizing."""
 
 from __future__ import annotations
 
+import io
 import math
 import time
 
 import pytest
 import torch
 from omegaconf import OmegaConf
+from tqdm import tqdm
 
 from data.template import prompt_ids
 from eval import (
@@ -377,6 +379,38 @@ def test_measure_verify_time_and_draft_times(tiny: Setup):
     _, _, hidden = tiny.decoder.prefill(context[:-1], drafter.hidden_layers)
     times = draft_times(tiny.decoder, drafter, context, hidden, repeats=1)
     assert set(times) == {"update", "propose"} and all(ms > 0 for ms in times.values())
+
+
+def test_measure_verify_time_is_fair_to_every_size_on_a_drifting_machine():
+    """A machine that slows down steadily while the sizes are timed (each pass 1 ms plus 0.1 ms per pass
+    before it, whatever its size) gives every size the same verify time: the sizes are interleaved in
+    rounds of alternating order, not timed one block after another (which made the last sizes look dear)."""
+
+    class Cache:
+        def get_seq_length(self) -> int:
+            return 0
+
+        def crop(self, n: int) -> None:
+            assert n == 0
+
+    class DriftingDecoder:
+        now, passes = 0.0, 0
+
+        def clock(self) -> float:
+            return self.now
+
+        def prefill(self, ids, layers):
+            return Cache(), None, None
+
+        def verify(self, cache, token, tree, layers):
+            self.now += 1e-3 * (1 + 0.1 * self.passes)
+            self.passes += 1
+
+    sizes = (1, 2, 4, 8, 16, 32)
+    bar = tqdm(total=len(sizes), file=io.StringIO())
+    timings = measure_verify_time(DriftingDecoder(), list(range(40)), sizes, bar=bar)
+    assert list(timings) == list(sizes) and bar.n == len(sizes)
+    assert all(ms == pytest.approx(timings[1]) for ms in timings.values())
 
 
 def test_lm_head_layouts_agree_and_are_timed_once_per_row_count(tiny: Setup, monkeypatch):
