@@ -6,6 +6,8 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,13 +28,19 @@ def finished_source(source_overrides: list[str], stages: list[str]):
     return source
 
 
-def scratch_run(source_overrides: list[str], stages: list[str], extra: list[str]):
-    """(config of a scratch run dir holding copies of ``stages`` from the source run, source config)."""
+@contextmanager
+def scratch_run(source_overrides: list[str], stages: list[str], extra: list[str]) -> Iterator[tuple]:
+    """(config of a scratch run dir holding copies of ``stages`` from the source run, source config); the
+    scratch dir is removed on exit. It sits alone in a fresh temporary folder: stages that look at sibling
+    runs (``extract.reuse``) never see another benchmark's scratch run, even one a killed process left."""
     from train.stages import stage_dir
 
     source = finished_source(source_overrides, stages)
-    scratch = Path(tempfile.mkdtemp(prefix="specheads-bench-"))
-    cfg = compose(["tracking=none", *source_overrides, f"run_dir={scratch}", *extra])
-    for stage in stages:
-        shutil.copytree(stage_dir(source, stage), stage_dir(cfg, stage))
-    return cfg, source
+    parent = Path(tempfile.mkdtemp(prefix="specheads-bench-"))
+    try:
+        cfg = compose(["tracking=none", *source_overrides, f"run_dir={parent / 'run'}", *extra])
+        for stage in stages:
+            shutil.copytree(stage_dir(source, stage), stage_dir(cfg, stage))
+        yield cfg, source
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)

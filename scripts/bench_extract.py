@@ -22,17 +22,21 @@ from _bench import scratch_run
 
 
 def keep_rows(cfg, rows: int) -> None:
-    """Cut the scratch data stage's splits to their first ``rows`` rows."""
+    """Cut the scratch data stage's splits to their first ``rows`` rows (and give it its new ``dataset_id``)."""
     import datasets
 
-    from train.stages import stage_dir
+    from train.stages import files_id, stage_dir
 
-    path = stage_dir(cfg, "data") / "dataset"
+    data = stage_dir(cfg, "data")
+    path = data / "dataset"
     ds = datasets.load_from_disk(str(path))
     cut = datasets.DatasetDict({k: v.select(range(min(rows, len(v)))) for k, v in ds.items()})
     cut.save_to_disk(str(path) + ".cut")
     shutil.rmtree(path)
     (path.parent / "dataset.cut").rename(path)
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["dataset_id"] = files_id(data, ["dataset/*/*.arrow"])
+    (data / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
 
 def main() -> None:
@@ -45,8 +49,7 @@ def main() -> None:
     from train.stages import run_stages, stage_dir
     from train.target import load_target
 
-    cfg, _ = scratch_run(overrides, ["data"], ["stages=[extract]"])
-    try:
+    with scratch_run(overrides, ["data"], ["stages=[extract]"]) as (cfg, _):
         if args.rows:
             keep_rows(cfg, args.rows)
         start = time.time()
@@ -77,8 +80,6 @@ def main() -> None:
         print(f"bytes/token on disk:                     {out['bytes_per_token']:7.1f} (goal <= {n_layers * hidden * 2}"
               f" = {n_layers} layers x {hidden} x 2 bytes)")
         print(f"peak RSS:                                {out['peak_rss_gib']:7.2f} GiB")
-    finally:
-        shutil.rmtree(cfg.run_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

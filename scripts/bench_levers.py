@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shutil
 
 from _bench import scratch_run
 
@@ -48,13 +47,10 @@ VARIANTS = {
 def train_variant(overrides: list[str], minutes: float, head: str, source: list[str] = ()) -> dict:
     from train.stages import run_stages, stage_dir
 
-    cfg, _ = scratch_run([f"head={head}", *source], ["data", "extract"],
-                         ["stages=[train]", f"train.max_minutes={minutes}", "train.patience=1000", *overrides])
-    try:
+    with scratch_run([f"head={head}", *source], ["data", "extract"],
+                     ["stages=[train]", f"train.max_minutes={minutes}", "train.patience=1000", *overrides]) as (cfg, _):
         run_stages(cfg)
         return json.loads((stage_dir(cfg, "train") / "summary.json").read_text())
-    finally:
-        shutil.rmtree(cfg.run_dir, ignore_errors=True)
 
 
 def main() -> None:

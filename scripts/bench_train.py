@@ -16,7 +16,6 @@ import argparse
 import json
 import logging
 import multiprocessing
-import shutil
 from concurrent.futures import ProcessPoolExecutor
 
 from _bench import scratch_run
@@ -26,16 +25,13 @@ def bench(head: str, steps: int, extra: list[str], overrides: list[str]) -> dict
     from train.log import peak_rss_gib
     from train.stages import run_stages, stage_dir
 
-    cfg, _ = scratch_run([f"head={head}", *overrides], ["data", "extract"],
-                         ["stages=[train]", f"train.max_steps={steps}", "train.eval_every=1000000",
-                          "train.checkpoint_every=1000000", "train.warmup_steps=5", *extra])
-    try:
+    with scratch_run([f"head={head}", *overrides], ["data", "extract"],
+                     ["stages=[train]", f"train.max_steps={steps}", "train.eval_every=1000000",
+                      "train.checkpoint_every=1000000", "train.warmup_steps=5", *extra]) as (cfg, _):
         run_stages(cfg)
         summary = json.loads((stage_dir(cfg, "train") / "summary.json").read_text())
         return {"model": cfg.model.name, "tokens_per_s": summary["train_tokens_per_s"], "wall_s": summary["wall_s"],
                 "peak_rss_gib": peak_rss_gib()}
-    finally:
-        shutil.rmtree(cfg.run_dir, ignore_errors=True)
 
 
 def main() -> None:

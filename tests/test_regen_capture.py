@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -236,18 +237,25 @@ def test_default_target_keeps_states_for_its_answers(tmp_path):
     assert torch.cat([a[k][1] == b[k][1] for k in a]).float().mean() >= 0.99
 
 
-def test_a_medusa_run_reuses_the_eagle3_runs_shards(tmp_path, monkeypatch):
-    """The Medusa run's extract copies the final state from the EAGLE-3 run's shards (same target and dataset):
-    no forward pass, the target not even loaded, the same states as its own pass."""
+def _sibling_runs(tmp_path, monkeypatch) -> tuple[list[str], list[int]]:
+    """An EAGLE-3 run's data and extract stages under ``tmp_path``; (the args of a Medusa run beside it, a list
+    that grows by one each time extract loads the target)."""
     args = ["model=tiny-llama", "data.sources=[{type:builtin,limit:12}]", "data.regen.max_new_tokens=12",
             "extract.dtype=float32", "stages=[data,extract]", f"output_root={tmp_path}"]
     run_stages(make_cfg([*args, "head=eagle3", "head.draft_vocab_size=96"]))
-    reused = make_cfg([*args, "head=medusa"])
-    own = make_cfg([*args, "head=medusa", "extract.reuse=false", "run_dir=" + str(tmp_path / "own")])
     import train.extract as extract
 
     loads, real = [], extract._load_model
     monkeypatch.setattr(extract, "_load_model", lambda *a: loads.append(1) or real(*a))
+    return [*args, "head=medusa"], loads
+
+
+def test_a_medusa_run_reuses_the_eagle3_runs_shards(tmp_path, monkeypatch):
+    """The Medusa run's extract copies the final state from the EAGLE-3 run's shards (same target and dataset):
+    no forward pass, the target not even loaded, the same states as its own pass."""
+    args, loads = _sibling_runs(tmp_path, monkeypatch)
+    reused = make_cfg(args)
+    own = make_cfg([*args, "extract.reuse=false", "run_dir=" + str(tmp_path / "own")])
     run_stages(reused)
     assert not loads  # every row came from the EAGLE-3 run
     run_stages(own)
@@ -260,3 +268,22 @@ def test_a_medusa_run_reuses_the_eagle3_runs_shards(tmp_path, monkeypatch):
     for key in a:
         torch.testing.assert_close(a[key][0], b[key][0], rtol=1e-5, atol=1e-5)
         assert torch.equal(a[key][1], b[key][1])
+
+
+def test_a_sibling_run_of_a_dataset_cut_in_place_is_not_reused(tmp_path, monkeypatch):
+    """A dataset cut in place after its data stage keeps its old ``dataset_id`` (CI once met this through a
+    benchmark's scratch run): the sibling's shards hold rows it lacks, so extract makes its own forward pass."""
+    import datasets
+
+    args, loads = _sibling_runs(tmp_path, monkeypatch)
+    cfg = make_cfg(args)
+    run_stages(make_cfg([*args, "stages=[data]"]))
+    path = stage_dir(cfg, "data") / "dataset"
+    cut = datasets.DatasetDict({k: v.select(range(min(3, len(v)))) for k, v in datasets.load_from_disk(str(path)).items()})
+    cut.save_to_disk(str(path) + ".cut")
+    shutil.rmtree(path)
+    Path(str(path) + ".cut").rename(path)
+    run_stages(make_cfg([*args, "stages=[extract]"]))
+    assert loads
+    manifest = json.loads((stage_dir(cfg, "extract") / "manifest.json").read_text())
+    assert manifest["rows"] == {k: len(v) for k, v in cut.items()} and "from_run" not in manifest

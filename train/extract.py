@@ -287,7 +287,7 @@ class ReadyStates:
                     if key in self.captured.index and self.captured.covers(key, ds[split][r]["input_ids"]):
                         self.rows[split][r] = "regeneration"
         if cfg.extract.get("reuse", True):
-            self.sibling = _sibling(cfg, layers, target, dataset_id)
+            self.sibling = _sibling(cfg, layers, target, dataset_id, lengths)
         if self.sibling is not None:
             for split in SPLITS:
                 for r in self.sibling[0].index[split]:
@@ -319,8 +319,11 @@ class ReadyStates:
         return out
 
 
-def _sibling(cfg: DictConfig, layers: list[int], target: str, dataset_id: str) -> tuple[Captures, list[int]] | None:
-    """(the shards of another finished run that hold this run's states, indices of our layers in theirs)."""
+def _sibling(cfg: DictConfig, layers: list[int], target: str, dataset_id: str,
+             lengths: dict[str, list[int]]) -> tuple[Captures, list[int]] | None:
+    """(the shards of another finished run that hold this run's states, indices of our layers in theirs).
+    Its row counts and tokens must also match ours: a dataset edited in place keeps its old id."""
+    rows, tokens = {s: len(v) for s, v in lengths.items()}, sum(map(sum, lengths.values()))
     here = Path(cfg.run_dir).resolve()
     for path in sorted(here.parent.glob(f"*/extract/{MARKER}")):
         run = path.parent.parent
@@ -329,7 +332,7 @@ def _sibling(cfg: DictConfig, layers: list[int], target: str, dataset_id: str) -
             continue
         m = json.loads(manifest.read_text())
         if (m.get("dataset_id"), m["dtype"], m["target_fingerprint"]) == (dataset_id, cfg.extract.dtype, target) \
-                and set(layers) <= set(m["layers"]):
+                and set(layers) <= set(m["layers"]) and (m["rows"], m["tokens"]) == (rows, tokens):
             return Captures(run / "extract"), [m["layers"].index(i) for i in layers]
     return None
 
