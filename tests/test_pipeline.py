@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -357,3 +358,16 @@ def test_every_epoch_has_the_planned_number_of_micro_batches():
         order = epoch_order(lengths, 512, seed, n)
         assert len(order) == n and all(len(b) * max(lengths[r] for r in b) <= 512 or len(b) == 1 for b in order)
         assert len({r for b in order for r in b}) >= 0.95 * len(lengths)
+
+
+def test_stages_run_with_denormals_flushed_on_every_thread():
+    """After ``run_stages`` a denormal float is zero on the calling thread and on the intra-op threads
+    started after it (a large product splits over them): training's optimizer moments that decay into the
+    denormal range would otherwise take the CPU's slow path."""
+    code = ("import torch; from tests.conftest import make_cfg; from train.stages import run_stages; "
+            "torch.set_num_threads(2); run_stages(make_cfg(['model=tiny-llama', 'stages=[]'])); "
+            "x = torch.full((1 << 22,), 1e-39); print(int((x * 2).count_nonzero()), int((x[:1] * 2).count_nonzero()))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["0", "0"]
