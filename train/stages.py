@@ -184,10 +184,10 @@ def require(cfg: DictConfig, name: str) -> dict:
 def run_stages(cfg: DictConfig) -> dict[str, dict]:
     """Run ``cfg.stages`` in order, skipping those up to date; the stages' outputs (their markers) by name.
 
-    Denormal floats are flushed to zero on the CPU first (x86 FTZ/DAZ), for the threads started from here
-    on: during head training the optimizer's moments of rarely updated rows decay into the denormal range,
-    where each operation takes a slow path; on the 2-core CPU training ran ~1.8x slower past step ~75
-    without the flush (README, "Denormals"). Nothing of a head or a target lives below 1.2e-38."""
+    Denormal floats are flushed to zero on the CPU first (x86 FTZ/DAZ), for this thread and the threads
+    started from here on: some values of head training fall below 1.2e-38 (likely the optimizer's moments of
+    rows that barely move; not traced), where each operation takes a slow path; on the 2-core CPU training ran
+    ~1.8x slower past step ~75 without the flush (README, "Denormals")."""
     import torch
 
     torch.set_flush_denormal(True)
