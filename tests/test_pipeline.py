@@ -362,8 +362,8 @@ def test_every_epoch_has_the_planned_number_of_micro_batches():
 
 def test_stages_run_with_denormals_flushed_on_every_thread():
     """After ``run_stages`` a denormal float is zero on the calling thread and on the intra-op threads
-    started after it (a large product splits over them): training's optimizer moments that decay into the
-    denormal range would otherwise take the CPU's slow path."""
+    started after it (a large product splits over them): values of head training that fall into the denormal
+    range would otherwise take the CPU's slow path."""
     code = ("import torch; from tests.conftest import make_cfg; from train.stages import run_stages; "
             "torch.set_num_threads(2); run_stages(make_cfg(['model=tiny-llama', 'stages=[]'])); "
             "x = torch.full((1 << 22,), 1e-39); print(int((x * 2).count_nonzero()), int((x[:1] * 2).count_nonzero()))")

@@ -279,7 +279,8 @@ def test_a_sibling_run_of_a_dataset_cut_in_place_is_not_reused(tmp_path, monkeyp
     cfg = make_cfg(args)
     run_stages(make_cfg([*args, "stages=[data]"]))
     path = stage_dir(cfg, "data") / "dataset"
-    cut = datasets.DatasetDict({k: v.select(range(min(3, len(v)))) for k, v in datasets.load_from_disk(str(path)).items()})
+    full = datasets.load_from_disk(str(path))
+    cut = datasets.DatasetDict({k: v.select(range(min(3, len(v)))) for k, v in full.items()})
     cut.save_to_disk(str(path) + ".cut")
     shutil.rmtree(path)
     Path(str(path) + ".cut").rename(path)

@@ -271,8 +271,8 @@ class ReadyStates:
     - ``extract.source: regen`` (``auto`` with the hf backend): kept while the data stage regenerated
       (:mod:`data.captured`), for rows whose tokens they cover;
     - ``extract.reuse``: the extract shards of another run of the same target next to this one
-      (``<run_dir>/../*/extract``), built from an identical dataset (same ``dataset_id``, rows and tokens) and dtype with a
-      superset of the layers, e.g. the EAGLE-3 run's shards hold the final state a Medusa run needs.
+      (``<run_dir>/../*/extract``), built from an identical dataset (same ``dataset_id``, rows and tokens) and
+      dtype with a superset of the layers, e.g. the EAGLE-3 run's shards hold the final state a Medusa run needs.
     """
 
     def __init__(self, cfg: DictConfig, ds, lengths: dict[str, list[int]], layers: list[int], target: str,
