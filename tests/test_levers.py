@@ -1,7 +1,7 @@
 """Training levers aimed at acceptance (issue "heads that beat n-gram"): the draft layer started from a
 target layer (``head.layer_init``), the objectives (``head.loss``: TV, LK-alpha, LK-lambda, HASS's top-K,
-forward + reverse KL), relative tap noise (``head.tap_noise``), dropout (``head.dropout``) and the lever
-table of scripts/bench_levers.py."""
+forward + reverse KL), relative tap noise (``head.tap_noise``), dropout (``head.dropout``), the reach mask
+of the training-time test (``head.ttt_reach_topk``) and the lever table of scripts/bench_levers.py."""
 
 from __future__ import annotations
 
@@ -20,7 +20,17 @@ from heads.eagle3 import TTTCache
 from tests.conftest import make_cfg
 from tests.test_heads import HEAD_CFG, tiny_batch, tiny_eagle3, tiny_view
 from train.extract import capture
-from train.losses import OBJECTIVES, eagle3_loss, medusa_loss, objective, shift, weights, with_tap_noise
+from train.losses import (
+    OBJECTIVES,
+    eagle3_loss,
+    hits,
+    medusa_loss,
+    objective,
+    reached,
+    shift,
+    weights,
+    with_tap_noise,
+)
 from train.target import load_layer_weights, load_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -250,6 +260,36 @@ def test_dropout_only_while_training(tiny_llama_cfg, head_type):
     assert loss(0.3) != clean
     head.eval()
     assert loss(0.3) == clean
+
+
+# --- head.ttt_reach_topk
+
+
+def test_reach_mask_trains_later_steps_only_where_a_decoder_gets_to(tiny_llama_cfg):
+    """With ``reach_topk`` K, step 1's loss is its objective over the rows where step 0's top K held the
+    target's next token (the same two steps unrolled by hand); step 0's loss and every accuracy are unchanged;
+    K = 1 is :func:`hits`."""
+    target = load_target(tiny_llama_cfg)
+    V = target.config.vocab_size
+    head = tiny_eagle3(target, dv=V)
+    ids, states, lengths, mask = tiny_batch(target, [*head.config.aux_layers, target.config.num_hidden_layers])
+    view, taps = tiny_view(target, head, states), states[:, :, :-1].flatten(2)
+    K = V // 2
+    with torch.no_grad():
+        cache, pos = TTTCache(), torch.arange(ids.shape[1])[None].expand(len(ids), -1)
+        h0 = head(head.project(taps), shift(ids, 1), pos, cache)
+        log_q0 = torch.log_softmax(head.logits(h0), -1)
+        log_q1 = torch.log_softmax(head.logits(head(h0, shift(ids, 2), pos + 1, cache)), -1)
+        reach = reached(log_q0, view, 0, K)
+        w1 = weights(view, lengths, mask, 1, "all")
+        assert 0.2 < (reach * w1).sum() / w1.sum() < 0.8   # the mask keeps some counted rows, not all
+        assert torch.equal(reached(log_q0, view, 0, 1), hits(log_q0, view, 0))
+        every = eagle3_loss(head, taps, ids, lengths, mask, view, 2, 0.8, "all", "kl")
+        masked = eagle3_loss(head, taps, ids, lengths, mask, view, 2, 0.8, "all", "kl", reach_topk=K)
+    assert masked.losses[0] == every.losses[0]
+    assert masked.losses[1] == pytest.approx(objective("kl", log_q1, shift(view.log_p, 2), w1 * reach).item(), rel=1e-5)
+    assert masked.losses[1] != pytest.approx(every.losses[1], rel=1e-3)
+    assert all(torch.equal(a, b) for a, b in zip(masked.correct + masked.weight, every.correct + every.weight, strict=True))
 
 
 # --- scripts/bench_levers.py: one row per lever

@@ -371,3 +371,15 @@ def test_stages_run_with_denormals_flushed_on_every_thread():
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["0", "0"]
+
+
+def test_one_cpu_rank_joins_its_group_without_building_the_shared_memory_op(tmp_path):
+    """DeepSpeed's CPU backend would compile its shared-memory all-reduce (~46 s, once per environment) for a
+    process group of one rank, which has nothing to reduce: the train stage's ``dist.init`` leaves it out."""
+    code = ("import torch, torch.distributed as d; from train import dist; dist.init(torch.device('cpu'), single=True); "
+            "print(d.is_initialized(), d.get_world_size())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(TORCH_EXTENSIONS_DIR=str(tmp_path)),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["True", "1"]
+    assert not any(tmp_path.rglob("*.so")), sorted(map(str, tmp_path.rglob("*")))

@@ -88,7 +88,7 @@ NUMBERS = {
                      "eval.limit", "planner.world_size", "data.sources[].limit", "data.train_rows"], OPT_POS_INT),
     "eval.tree.total_tokens": ("int", lambda v: v >= 1, ">= 1", ("auto",)),
     **dict.fromkeys(["train.warmup_steps", "train.prefetch", "train.keep_checkpoints", "eval.warmup",
-                     "data.regen.seed", "seed"], NON_NEG_INT),
+                     "data.regen.seed", "seed", "head.ttt_reach_topk"], NON_NEG_INT),
     **dict.fromkeys(["extract.shard_mb", "train.lr", "dist_timeout_minutes", "planner.headroom",
                      "extract.disk_margin", "planner.avg_row_tokens"], POS_NUM),
     **dict.fromkeys(["train.max_minutes", "planner.tokens", "planner.rows"], POS_NUM[:3] + ((None,),)),

@@ -20,6 +20,8 @@ DEFAULT_TIMEOUT_MIN = 60
 # What a launcher (deepspeed, torchrun) sets, and :func:`init` sets for one process: a child process that
 # inherits them would try to join this process group (or bind its rendezvous port).
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# DeepSpeed's shared-memory all-reduce for CPU ranks (``ShareMemCommBuilder.NAME``): built at first use.
+SHM_OP = "deepspeed_shm_comm"
 
 
 def world_size() -> int:
@@ -58,6 +60,11 @@ def init(device: torch.device, single: bool = False, timeout_minutes: float = DE
     import deepspeed
 
     device = bind_device(device)
+    if world_size() == 1 and device.type == "cpu":
+        # DeepSpeed's CPU backend compiles its shared-memory all-reduce op (~46 s on a 2-core CPU, once per
+        # environment) whatever the world size; one rank has nothing to reduce. The op table is a dict DeepSpeed
+        # keeps for such edits (deepspeed/ops/__init__.py).
+        deepspeed.ops.__compatible_ops__[SHM_OP] = False
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
                                timeout=timedelta(minutes=timeout_minutes))
 

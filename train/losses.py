@@ -89,6 +89,13 @@ def hits(log_q: torch.Tensor, view: TargetView, k: int) -> torch.Tensor:
     return (log_q.argmax(-1) == shift(view.argmax, 1 + k)) & shift(view.in_vocab, 1 + k, False)
 
 
+def reached(log_q: torch.Tensor, view: TargetView, k: int, topk: int) -> torch.Tensor:
+    """[B, T] bool: step k's ``topk`` likeliest draft tokens at row t hold the target's next token (a tree
+    drafting ``topk`` children per node goes on to step k + 1 there; ``topk`` 1: :func:`hits`)."""
+    top = log_q.topk(min(topk, log_q.shape[-1]), -1).indices
+    return (top == shift(view.argmax, 1 + k)[..., None]).any(-1) & shift(view.in_vocab, 1 + k, False)
+
+
 def soft_ce(log_q: torch.Tensor, log_p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     ce = -(log_p.exp() * log_q).sum(-1)
     return (ce * w).sum() / w.sum().clamp(min=1.0)
@@ -148,11 +155,13 @@ def with_tap_noise(taps: torch.Tensor, std: float, n_taps: int) -> torch.Tensor:
 
 def eagle3_loss(head: Eagle3Head, taps: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor,
                 loss_mask: torch.Tensor, view: TargetView, steps: int, decay: float, positions: str,
-                loss: str = "kl", tap_noise: float = 0.0, dropout: float = 0.0) -> StepStats:
+                loss: str = "kl", tap_noise: float = 0.0, dropout: float = 0.0, reach_topk: int = 0) -> StepStats:
     """Training-time test: ``steps`` unrolled draft steps, each fed its own previous feature and the
     ground-truth next token; attention across steps as in :class:`heads.eagle3.TTTCache`. ``loss``: see
     :func:`objective`; while the head is training, ``tap_noise`` (:func:`with_tap_noise`) and ``dropout``
-    on the taps."""
+    on the taps. ``reach_topk`` > 0: step k >= 1 learns only at the rows a decoder reaches, where every
+    earlier step's ``reach_topk`` likeliest tokens held the target's next token (:func:`reached`; GRIFFIN's
+    loss mask, arXiv 2502.11018); the accuracies still count every row."""
     B, T = input_ids.shape
     if tap_noise and head.training:
         taps = with_tap_noise(taps, tap_noise, len(head.config.aux_layers))
@@ -162,11 +171,14 @@ def eagle3_loss(head: Eagle3Head, taps: torch.Tensor, input_ids: torch.Tensor, l
     cache = TTTCache()
     pos = torch.arange(T, device=input_ids.device)[None].expand(B, T)
     total, losses, correct, ws = 0.0, [], [], []
+    reach = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
     for k in range(steps):
         hidden = head(hidden, shift(input_ids, 1 + k), pos + k, cache)
         log_q = torch.log_softmax(head.logits(hidden).float(), -1)
-        w = weights(view, lengths, loss_mask, k, positions)
+        w = weights(view, lengths, loss_mask, k, positions) * reach
         loss_k = objective(loss, log_q, shift(view.log_p, 1 + k), w)
+        if reach_topk:
+            reach = reach & reached(log_q.detach(), view, k, reach_topk)
         total = total + decay**k * loss_k
         losses.append(loss_k.item())
         correct.append(hits(log_q, view, k))
