@@ -185,9 +185,9 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
     """Run ``cfg.stages`` in order, skipping those up to date; the stages' outputs (their markers) by name.
 
     Denormal floats are flushed to zero on the CPU first (x86 FTZ/DAZ), for this thread and the threads
-    started from here on: some values of head training fall below 1.2e-38 (likely the optimizer's moments of
-    rows that barely move; not traced), where each operation takes a slow path; on the 2-core CPU training ran
-    ~1.8x slower past step ~75 without the flush (README, "Denormals")."""
+    started from here on: some values of head training fall below 1.2e-38 (where, is open: not its parameters,
+    optimizer moments, module outputs or loss probabilities), where each operation takes a slow path; on the
+    2-core CPU training ran ~1.8x slower past step ~75 without the flush (README, "Denormals")."""
     import torch
 
     torch.set_flush_denormal(True)
