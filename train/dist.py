@@ -63,8 +63,10 @@ def init(device: torch.device, single: bool = False, timeout_minutes: float = DE
     if world_size() == 1 and device.type == "cpu":
         # DeepSpeed's CPU backend compiles its shared-memory all-reduce op (~46 s on a 2-core CPU, once per
         # environment) whatever the world size; one rank has nothing to reduce. The op table is a dict DeepSpeed
-        # keeps for such edits (deepspeed/ops/__init__.py).
-        deepspeed.ops.__compatible_ops__[SHM_OP] = False
+        # keeps for such edits (deepspeed/ops/__init__.py); a release without it builds the op as before.
+        ops = getattr(deepspeed.ops, "__compatible_ops__", None)
+        if isinstance(ops, dict):
+            ops[SHM_OP] = False
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
                                timeout=timedelta(minutes=timeout_minutes))
 
