@@ -177,7 +177,7 @@ def eagle3_loss(head: Eagle3Head, taps: torch.Tensor, input_ids: torch.Tensor, l
         log_q = torch.log_softmax(head.logits(hidden).float(), -1)
         w = weights(view, lengths, loss_mask, k, positions) * reach
         loss_k = objective(loss, log_q, shift(view.log_p, 1 + k), w)
-        if reach_topk:
+        if reach_topk and k + 1 < steps:   # the last step's reach would mask nothing
             reach = reach & reached(log_q.detach(), view, k, reach_topk)
         total = total + decay**k * loss_k
         losses.append(loss_k.item())
