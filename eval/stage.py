@@ -227,7 +227,7 @@ def size_tree(cfg: DictConfig, decoder: SpecDecoder, head, tokenizer, cache: Jso
     sizes = tuple(int(s) for s in t.sizes)
     auto = kind == "eagle3" and t.total_tokens == "auto"
     calibration = prompts[: t.calibration_prompts]
-    vkey = {"verify_ms": sizes, "context": digest(context)}
+    vkey = {"verify_ms": sizes, "context": digest(context), "timing": "paired with 1-token passes"}
     akey = {"acceptance": head_id, "context": digest(context), "prompts": digest([p.turns for p in calibration]),
             "sizes": sizes, "top_k": t.top_k, "depth": t.depth, "max_new_tokens": cfg.eval.max_new_tokens,
             "seed": cfg.seed, "system_prompt": cfg.data.system_prompt, "thinking": cfg.data.get("thinking")}

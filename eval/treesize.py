@@ -28,25 +28,40 @@ SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 @torch.inference_mode()
 def measure_verify_time(decoder: SpecDecoder, context: list[int], sizes: tuple[int, ...] = SIZES, repeats: int = 4,
                         hidden_layers: list[int] | None = None, bar: tqdm | None = None) -> dict[int, float]:
-    """Median ms of one verify pass over ``T`` tree tokens (root + a chain of T - 1 nodes, taken from
-    ``context`` itself) after ``context`` is cached, for each T in ``sizes``. The sizes are measured in
-    rounds, one pass each, the order reversed every round (after a warm-up round), so a machine whose speed
-    drifts during the measurement slows every size alike: with an even ``repeats`` a linear drift cancels
-    in each size's median. ``bar`` (a progress bar) advances by one per size, in the last round."""
+    """Ms of one verify pass over ``T`` tree tokens (root + a chain of T - 1 nodes, taken from ``context``
+    itself) after ``context`` is cached, for each T in ``sizes``: the median 1-token pass times T's median
+    cost relative to it. Each T is timed right beside a 1-token pass (the pair's order and the sizes' order
+    reversed every round, after a warm-up round), so the two see the same machine: a VM whose speed swings
+    within seconds moves both (unpaired medians of 4 rounds put a 16-token pass at 0.9-1.4x one token on the
+    Intel VM, paired ones at 1.1-1.2x). ``bar`` (a progress bar) advances by one per size, in the last round."""
     layers = hidden_layers or []
     cache, _, _ = decoder.prefill(context[:-1], layers)
     past = cache.get_seq_length()
-    trees = {size: DraftTree.chain(context[:size - 1]) for size in sizes}
-    times: dict[int, list[float]] = {size: [] for size in sizes}
+    trees = {size: DraftTree.chain(context[:size - 1]) for size in {1, *sizes}}
+
+    def timed(size: int) -> float:
+        start = decoder.clock()
+        decoder.verify(cache, context[-1], trees[size], layers)
+        elapsed = decoder.clock() - start
+        cache.crop(-(cache.get_seq_length() - past))
+        return elapsed
+
+    ones: list[float] = []
+    ratios: dict[int, list[float]] = {size: [] for size in sizes}
     for round_ in range(repeats + 1):
-        for size in sizes if round_ % 2 == 0 else sizes[::-1]:
-            start = decoder.clock()
-            decoder.verify(cache, context[-1], trees[size], layers)
-            times[size].append(decoder.clock() - start)
-            cache.crop(-(cache.get_seq_length() - past))
+        forward = round_ % 2 == 0
+        for size in sizes if forward else sizes[::-1]:
+            if forward:
+                one, other = timed(1), timed(size)
+            else:
+                other, one = timed(size), timed(1)
+            if round_:   # the first round warms up
+                ones.append(one)
+                ratios[size].append(other / one)
             if bar is not None and round_ == repeats:
                 bar.update()
-    return {size: 1e3 * statistics.median(t[1:]) for size, t in times.items()}   # the first round warms up
+    return {size: 1e3 * statistics.median(ones) * (1.0 if size == 1 else statistics.median(ratios[size]))
+            for size in sizes}
 
 
 @torch.inference_mode()
