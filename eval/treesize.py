@@ -33,7 +33,8 @@ def measure_verify_time(decoder: SpecDecoder, context: list[int], sizes: tuple[i
     cost relative to it. Each T is timed right beside a 1-token pass (the pair's order and the sizes' order
     reversed every round, after a warm-up round), so the two see the same machine: a VM whose speed swings
     within seconds moves both (on the Intel VM, four measurements each way: unpaired medians of 4 rounds put a
-    16-token pass at 1.0-1.6x one token, paired ones at 1.1-1.2x). ``bar`` (a progress bar) advances by one per size, in the last round."""
+    16-token pass at 1.0-1.6x one token, paired ones at 1.1-1.2x). ``bar`` (a progress bar) advances by one
+    per size, in the last round."""
     layers = hidden_layers or []
     cache, _, _ = decoder.prefill(context[:-1], layers)
     past = cache.get_seq_length()
