@@ -55,6 +55,16 @@ def test_padded_twins_are_padded():
         assert load_config(cfg).vocab_size > len(load_tokenizer(cfg))
 
 
+def test_target_loads_without_hub_kernels(monkeypatch):
+    """transformers swaps the target's layers for Hub kernels by default (fetched at run time), and without the
+    `kernels` package on a GPU it refused to load the target (an H200, 2026-12-04): the target never uses them."""
+    import transformers.modeling_utils
+
+    monkeypatch.setattr(transformers.modeling_utils, "is_kernels_available", lambda: False)
+    target = load_target(make_cfg(["model=tiny-qwen2"]))
+    assert target.use_kernels is False
+
+
 @pytest.mark.parametrize("twin", list(TWINS))
 def test_weights_read_from_files_equal_the_loaded_model(twin):
     """Train and export read three tensors from the checkpoint instead of loading the whole target."""

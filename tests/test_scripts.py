@@ -3,7 +3,7 @@ the optimizer's weight-decay groups.
 
 Each script runs as a subprocess, as a user would run it, with arguments that make it tiny, and must
 exit 0 and print its figures. scripts/vllm_check.py is covered by tests/test_vllm_check.py (slow tier);
-scripts/gpu_check.sh needs nvidia-smi: only parsed here (``bash -n``), like the setup scripts.
+scripts/gpu_check.sh is meant for a GPU (its CPU smoke run: EXTRA in its header): only parsed here (``bash -n``), like the setup scripts.
 """
 
 from __future__ import annotations

@@ -86,8 +86,13 @@ def env_without_launcher(env: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def barrier() -> None:
+    """Wait for every rank. On NCCL the barrier runs on this rank's own GPU (``bind_device``), not on one
+    that NCCL guesses from the global rank (a hang where ranks map to GPUs unevenly)."""
     if dist.is_initialized():
-        dist.barrier()
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier()
 
 
 def all_gather_objects(obj):

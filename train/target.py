@@ -177,7 +177,8 @@ def _build_from_gguf(mcfg: DictConfig, out: Path) -> None:
     path = _gguf_path(mcfg)
     log(f"[target] dequantising {path.name} into {out} (once; about a minute on 2 CPU cores)")
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    quantised = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    quantised = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                     use_kernels=False)
     config = quantised.config
     # save_pretrained refuses a GGUF-quantised model: rebuild a plain one and load its state dict.
     del config.quantization_config
@@ -247,7 +248,9 @@ def load_target(cfg: DictConfig, device: torch.device | None = None, dtype: torc
     """Frozen target in eval mode on ``device`` with ``dtype`` (defaults from ``cfg.device``/``cfg.dtype``)."""
     device = device or resolve_device(cfg.device)
     dtype = dtype or resolve_dtype(cfg.dtype, device)
-    model = _from_pretrained(AutoModelForCausalLM, target_path(cfg), cfg, dtype=dtype)
+    # use_kernels=False: transformers >= 5.2x otherwise swaps layers for Hub kernels by default (fetched at run
+    # time, other numerics; without the `kernels` package on a GPU it refuses to load: seen on an H200).
+    model = _from_pretrained(AutoModelForCausalLM, target_path(cfg), cfg, dtype=dtype, use_kernels=False)
     model.to(device).eval().requires_grad_(False)
     return model
 
