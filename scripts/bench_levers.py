@@ -7,7 +7,8 @@ extract stages (the same data for every row). Default variants (:data:`VARIANTS`
 then one lever per row -- positions, lm_head init, TTT depth, tap noise, a random start instead of the
 draft layer started from target layer N-3 with the last-tap fc (the defaults), the other objectives (TV,
 LK-alpha, LK-lambda, HASS's top-K; KL alone for EAGLE-3, whose default adds the reverse KL, and that mix for
-Medusa), dropout, and (EAGLE-3) the reach mask of the training-time test.
+Medusa), dropout, (EAGLE-3) the reach mask of the training-time test, and the head's forward in bf16
+under autocast (``train.autocast``).
 
     .venv/bin/python scripts/bench_levers.py [--minutes 6] [--head eagle3|medusa] [--variant "name:key=value,key=value" ...] [key=value ...]
 
@@ -40,9 +41,11 @@ VARIANTS = {
         "dropout 0.1:head.dropout=0.1",
         "reach mask, top 1 (GRIFFIN):head.ttt_reach_topk=1",
         "reach mask, top 4 (GRIFFIN):head.ttt_reach_topk=4",
+        "bf16 autocast:train.autocast=bfloat16",
     ],
     "medusa": ["default:", "assistant-only positions:train.positions=assistant", *OBJECTIVE_VARIANTS,
-               "forward + reverse KL:head.loss=kl_mix", "dropout 0.1:head.dropout=0.1"],
+               "forward + reverse KL:head.loss=kl_mix", "dropout 0.1:head.dropout=0.1",
+               "bf16 autocast:train.autocast=bfloat16"],
 }
 
 

@@ -1,7 +1,8 @@
 """Training levers aimed at acceptance (issue "heads that beat n-gram"): the draft layer started from a
 target layer (``head.layer_init``), the objectives (``head.loss``: TV, LK-alpha, LK-lambda, HASS's top-K,
 forward + reverse KL), relative tap noise (``head.tap_noise``), dropout (``head.dropout``), the reach mask
-of the training-time test (``head.ttt_reach_topk``) and the lever table of scripts/bench_levers.py."""
+of the training-time test (``head.ttt_reach_topk``), the forward under bf16 autocast (``train.autocast``) and
+the lever table of scripts/bench_levers.py."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from train.extract import capture
 from train.losses import (
     OBJECTIVES,
     eagle3_loss,
+    full_argmax,
     hits,
     medusa_loss,
     objective,
@@ -290,6 +292,50 @@ def test_reach_mask_trains_later_steps_only_where_a_decoder_gets_to(tiny_llama_c
     assert masked.losses[1] == pytest.approx(objective("kl", log_q1, shift(view.log_p, 2), w1 * reach).item(), rel=1e-5)
     assert masked.losses[1] != pytest.approx(every.losses[1], rel=1e-3)
     assert all(torch.equal(a, b) for a, b in zip(masked.correct + masked.weight, every.correct + every.weight, strict=True))
+
+
+# --- train.autocast
+
+
+@pytest.mark.parametrize("head_type", ["eagle3", "medusa"])
+def test_autocast_runs_the_heads_forward_in_bf16_and_keeps_fp32_weights(tiny_llama_cfg, head_type):
+    """``train.autocast=bfloat16``: the head's layers compute in bf16 (the loss moves by bf16 rounding only),
+    its weights and their gradients stay float32, and the target's distribution it learns is the same."""
+    from train.loop import compute
+
+    cfg = make_cfg(["model=tiny-llama", f"head={head_type}"])
+    target = load_target(tiny_llama_cfg)
+    V, n = target.config.vocab_size, target.config.num_hidden_layers
+    if head_type == "eagle3":
+        head = tiny_eagle3(target, dv=V)
+        ids, states, lengths, mask = tiny_batch(target, [*head.config.aux_layers, n])
+    else:
+        head = MedusaHead(MedusaConfig.from_target(target.config, HEAD_CFG, V))
+        head.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
+        ids, states, lengths, mask = tiny_batch(target, [n])
+    lm_head = target.get_output_embeddings().weight.detach()
+    batch = {"input_ids": ids, "loss_mask": mask, "lengths": lengths, "states": states,
+             "argmax": full_argmax(states[:, :, -1], lm_head)}
+    dtypes = []
+    first = next(m for m in head.modules() if isinstance(m, torch.nn.Linear))
+    first.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
+
+    def loss(autocast: str | None) -> tuple[float, list[torch.Tensor]]:
+        head.zero_grad()
+        stats = compute(head, head_type, batch, lm_head[head.draft_ids()], cfg, "all", 2, autocast)
+        stats.loss.backward()
+        return stats.loss.item(), [p.grad for p in head.parameters() if p.requires_grad]
+
+    exact, grads = loss(None)
+    assert set(dtypes) == {torch.float32}
+    dtypes.clear()
+    mixed, mixed_grads = loss("bfloat16")
+    assert set(dtypes) == {torch.bfloat16}
+    assert mixed != exact and mixed == pytest.approx(exact, rel=2e-2)
+    assert all(p.dtype == torch.float32 for p in head.parameters())
+    assert all(g.dtype == torch.float32 and g.abs().sum() > 0 for g in mixed_grads)
+    cos = F.cosine_similarity(torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in mixed_grads]), 0)
+    assert cos > 0.99
 
 
 # --- scripts/bench_levers.py: one row per lever

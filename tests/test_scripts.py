@@ -122,9 +122,11 @@ def test_bench_extract(source):
 
 def test_bench_levers(source):
     out = run_script("bench_levers.py", *source("eagle3"), "train.num_threads=1", "--minutes", "1",
-                     "--variant", "default:train.max_steps=2,train.warmup_steps=1")
+                     "--variant", "default:train.max_steps=2,train.warmup_steps=1",
+                     "--variant", "bf16 autocast:train.max_steps=2,train.warmup_steps=1,train.autocast=bfloat16")
     assert "== training levers: eagle3" in out
-    assert re.search(r"^default\s+2\s+\d+\s+[\d.]+", out, re.M), out
+    for row in ("default", "bf16 autocast"):
+        assert re.search(rf"^{row}\s+2\s+\d+\s+[\d.]+", out, re.M), out
 
 
 def test_learning_curve(source, tmp_path):

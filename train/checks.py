@@ -56,6 +56,7 @@ ENUMS = {
     "extract.zero_stage": (0, 1, 2, 3),
     "train.positions": ("all", "assistant"),
     "train.grad_accum_dtype": ("fp32", "bf16", "fp16"),
+    "train.autocast": (None, "bfloat16", "float16"),
     "train.zero_stage": (0, 1, 2, 3),  # 3 is refused by the train stage, with the reason
     "eval.datasets": ("builtin", "humaneval"),
     "eval.share_baselines": (True, False),

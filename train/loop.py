@@ -131,20 +131,22 @@ def prefetch(make: Callable[[list[int]], dict], batches: list[list[int]], depth:
 
 
 def compute(head, kind: str, batch: dict, draft_rows: torch.Tensor, cfg: DictConfig, positions: str,
-            steps: int) -> StepStats:
+            steps: int, autocast: str | None = None) -> StepStats:
     """The head's loss on one batch over ``steps`` TTT steps (EAGLE-3); ``draft_rows`` = the target's lm_head
-    rows of the draft vocabulary."""
+    rows of the draft vocabulary. ``autocast`` (a dtype name, ``train.autocast``): the head's forward under
+    ``torch.autocast`` in that dtype; its weights, and the target's distribution it learns, stay as they are."""
     states = batch["states"]
     dtype = next(p for p in head.parameters() if p.requires_grad).dtype
     last = states[:, :, -1]
     view = target_view(last, draft_rows, head.t2d, batch["argmax"])
-    if kind == "eagle3":
-        taps = states[:, :, :-1].flatten(2).to(dtype)
-        return eagle3_loss(head, taps, batch["input_ids"], batch["lengths"], batch["loss_mask"], view,
-                           steps, cfg.head.ttt_decay, positions, cfg.head.loss, cfg.head.tap_noise,
-                           cfg.head.dropout, cfg.head.ttt_reach_topk)
-    return medusa_loss(head, last.to(dtype), batch["input_ids"], batch["lengths"], batch["loss_mask"], view,
-                       cfg.head.decay, positions, cfg.head.loss, cfg.head.dropout)
+    with torch.autocast(last.device.type, getattr(torch, autocast or "bfloat16"), enabled=autocast is not None):
+        if kind == "eagle3":
+            taps = states[:, :, :-1].flatten(2).to(dtype)
+            return eagle3_loss(head, taps, batch["input_ids"], batch["lengths"], batch["loss_mask"], view,
+                               steps, cfg.head.ttt_decay, positions, cfg.head.loss, cfg.head.tap_noise,
+                               cfg.head.dropout, cfg.head.ttt_reach_topk)
+        return medusa_loss(head, last.to(dtype), batch["input_ids"], batch["lengths"], batch["loss_mask"], view,
+                           cfg.head.decay, positions, cfg.head.loss, cfg.head.dropout)
 
 
 def summarise(correct: list[torch.Tensor], weight: list[torch.Tensor]) -> dict[str, float]:
@@ -543,7 +545,7 @@ class Trainer:
         stats = []
         for batch in batches:
             stats.append(compute(self.model, self.kind, batch, self.draft_rows, self.cfg, self.tcfg.positions,
-                                 _n_steps(self.cfg)))
+                                 _n_steps(self.cfg), self.tcfg.autocast))
             self.engine.backward(stats[-1].loss)
             self.engine.step()
             self.tokens_seen += batch["tokens"]
