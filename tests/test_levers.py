@@ -171,6 +171,18 @@ def acceptance(head, taps, ids, view, lengths, mask) -> float:
     return ((alpha * w).sum() / w.sum()).item()
 
 
+def tiny_head_and_batch(target, head_type: str) -> tuple[torch.nn.Module, tuple]:
+    """A tiny random head of ``head_type`` over the target's whole vocabulary, and :func:`tiny_batch`'s ids,
+    states, lengths and mask with the states it reads (EAGLE-3: its taps, then the last layer; Medusa: the last)."""
+    V, n = target.config.vocab_size, target.config.num_hidden_layers
+    if head_type == "eagle3":
+        head = tiny_eagle3(target, dv=V)
+        return head, tiny_batch(target, [*head.config.aux_layers, n])
+    head = MedusaHead(MedusaConfig.from_target(target.config, HEAD_CFG, V))
+    head.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
+    return head, tiny_batch(target, [n])
+
+
 @pytest.mark.parametrize("kind", OBJECTIVES)
 def test_every_objective_raises_acceptance(tiny_llama_cfg, kind):
     target = load_target(tiny_llama_cfg)
@@ -189,10 +201,7 @@ def test_every_objective_raises_acceptance(tiny_llama_cfg, kind):
 
 def test_medusa_takes_the_acceptance_objectives(tiny_llama_cfg):
     target = load_target(tiny_llama_cfg)
-    V = target.config.vocab_size
-    head = MedusaHead(MedusaConfig.from_target(target.config, HEAD_CFG, V))
-    head.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
-    ids, states, lengths, mask = tiny_batch(target, [target.config.num_hidden_layers])
+    head, (ids, states, lengths, mask) = tiny_head_and_batch(target, "medusa")
     view = tiny_view(target, head, states)
     for kind in OBJECTIVES:
         stats = medusa_loss(head, states[:, :, -1], ids, lengths, mask, view, 0.8, "all", kind)
@@ -239,20 +248,13 @@ def test_dropout_only_while_training(tiny_llama_cfg, head_type):
     """Dropout on the head's input (EAGLE-3: the taps; Medusa: the last hidden state) changes the loss while
     training, never in eval mode, and draws nothing when off."""
     target = load_target(tiny_llama_cfg)
-    V, n = target.config.vocab_size, target.config.num_hidden_layers
-    if head_type == "eagle3":
-        head = tiny_eagle3(target, dv=V)
-        ids, states, lengths, mask = tiny_batch(target, [*head.config.aux_layers, n])
-        taps = states[:, :, :-1].flatten(2)
-    else:
-        head = MedusaHead(MedusaConfig.from_target(target.config, HEAD_CFG, V))
-        head.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
-        ids, states, lengths, mask = tiny_batch(target, [n])
+    head, (ids, states, lengths, mask) = tiny_head_and_batch(target, head_type)
     view = tiny_view(target, head, states)
 
     def loss(p: float) -> float:
         with torch.no_grad():
             if head_type == "eagle3":
+                taps = states[:, :, :-1].flatten(2)
                 return eagle3_loss(head, taps, ids, lengths, mask, view, 1, 0.8, "all", "kl", 0.0, p).loss.item()
             return medusa_loss(head, states[:, :, -1], ids, lengths, mask, view, 0.8, "all", "kl", p).loss.item()
 
@@ -305,14 +307,7 @@ def test_autocast_runs_the_heads_forward_in_bf16_and_keeps_fp32_weights(tiny_lla
 
     cfg = make_cfg(["model=tiny-llama", f"head={head_type}"])
     target = load_target(tiny_llama_cfg)
-    V, n = target.config.vocab_size, target.config.num_hidden_layers
-    if head_type == "eagle3":
-        head = tiny_eagle3(target, dv=V)
-        ids, states, lengths, mask = tiny_batch(target, [*head.config.aux_layers, n])
-    else:
-        head = MedusaHead(MedusaConfig.from_target(target.config, HEAD_CFG, V))
-        head.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
-        ids, states, lengths, mask = tiny_batch(target, [n])
+    head, (ids, states, lengths, mask) = tiny_head_and_batch(target, head_type)
     lm_head = target.get_output_embeddings().weight.detach()
     batch = {"input_ids": ids, "loss_mask": mask, "lengths": lengths, "states": states,
              "argmax": full_argmax(states[:, :, -1], lm_head)}
