@@ -10,6 +10,9 @@ e.g. ``run_dir=outputs/smollm2-135m/eagle3``; default: the default run). Per hea
 per pass (Medusa: its heads) walked along the rows (the target's greedy answers): what
 ``scripts/vllm_check.py`` measures in vLLM, on every validation row instead of 8-16 prompts. The interval
 resamples rows (prompts), the unit a set of prompts varies by.
+
+An EAGLE-3 head tapping other layers than the run's extract holds (``head.aux_layers``) reads them from
+its own run (the folder above ``train/head``), whose validation rows must be the run's rows.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch  # noqa: E402
 from heads.io import head_type, load_head  # noqa: E402
 from train.config import compose  # noqa: E402
 from train.extract import capture_layers  # noqa: E402
-from train.loop import decode_k, decode_tau, load_data, summarise, validation_rows  # noqa: E402
+from train.loop import Batches, Data, decode_k, decode_tau, load_data, summarise, validation_rows  # noqa: E402
 from train.target import load_weights  # noqa: E402
 
 
@@ -42,6 +45,24 @@ def paired_interval(a: list[list[int]], b: list[list[int]], samples: int, seed: 
     diff = acc_a[idx].sum(1) / n_a[idx].sum(1).clamp(min=1) - acc_b[idx].sum(1) / n_b[idx].sum(1).clamp(min=1)
     low, high = torch.quantile(diff, torch.tensor([0.025, 0.975])).tolist()
     return low, high
+
+
+def own_rows(path: Path, head, cfg, data: Data, overrides: list[str], target_config) -> Batches:
+    """The validation rows with the hidden states ``head`` reads: the run's, or (an EAGLE-3 head tapping
+    other layers) its own run's, refused unless that run holds the same validation rows."""
+    if cfg.head.type != "eagle3" or capture_layers(cfg, target_config)[:-1] == head.config.aux_layers:
+        return data.val
+    taps = head.config.aux_layers
+    run = path.resolve().parents[1]
+    own = compose(["tracking=none", *overrides, f"run_dir={run}", f"head.aux_layers=[{','.join(map(str, taps))}]"])
+    val = load_data(own, None, capture_layers(own, target_config), torch.device("cpu"), 1).val
+    def ids(rows) -> list[list[int]]:
+        return [torch.as_tensor(rows[r]["input_ids"]).tolist() for r in data.val_rows]
+
+    if ids(val.rows) != ids(data.val.rows):
+        sys.exit(f"compare_heads: {path} taps layers {taps}, which {cfg.run_dir} did not extract, and its own run "
+                 f"{run} holds other validation rows: compare heads trained on the same data")
+    return val
 
 
 def main() -> None:
@@ -59,9 +80,10 @@ def main() -> None:
                  f"their type (head={'|'.join(sorted(kinds))} or run_dir=...)")
     data = load_data(cfg, None, capture_layers(cfg, weights.config), torch.device("cpu"), 1)
     scores = []
-    for head in heads:
+    for path, head in zip(args.heads, heads, strict=True):
         rows = weights.lm_head[head.draft_ids()]
-        correct, weight, walks = validation_rows(head, cfg.head.type, cfg, data.val, data.val_rows, rows,
+        val = own_rows(path, head, cfg, data, overrides, weights.config)
+        correct, weight, walks = validation_rows(head, cfg.head.type, cfg, val, data.val_rows, rows,
                                                  max(cfg.train.micro_batch_tokens, 2048))
         passes = sum(map(len, walks.values()))
         scores.append((summarise(correct, weight)["sim_tau"], decode_tau(walks.values()), passes, walks))

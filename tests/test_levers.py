@@ -333,6 +333,38 @@ def test_autocast_runs_the_heads_forward_in_bf16_and_keeps_fp32_weights(tiny_lla
     assert cos > 0.99
 
 
+# --- train.ema
+
+
+def test_average_follows_the_weights_and_is_swapped_in_only_inside_the_block():
+    """``train.ema``: after each step the float32 average moves towards the weights by 1 - min(decay,
+    (1 + t) / (10 + t)); inside ``swapped_in`` the model holds it, after it its own weights again, exactly."""
+    from train.loop import Average
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)).to(torch.bfloat16)
+    model[1].bias.requires_grad_(False)
+    average = Average(model, decay=0.6)
+    expected = [p.detach().float().clone() for p in model.parameters() if p.requires_grad]
+    assert len(average.shadow) == 3 and all(a.dtype == torch.float32 for a in average.shadow)
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        average.update(step)
+        decay = min(0.6, (1 + step) / (10 + step))  # 2/11, 3/12, 0.6
+        expected = [decay * e + (1 - decay) * p.detach().float()
+                    for e, p in zip(expected, (p for p in model.parameters() if p.requires_grad), strict=True)]
+    torch.testing.assert_close(average.shadow, expected)
+    own = [p.detach().clone() for p in model.parameters()]
+    with average.swapped_in():
+        inside = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+        assert model[1].bias.equal(own[3])  # a frozen tensor is not averaged
+    torch.testing.assert_close(inside, [e.to(torch.bfloat16) for e in expected])
+    assert not inside[0].equal(own[0])
+    assert all(p.equal(o) for p, o in zip(model.parameters(), own, strict=True))
+
+
 # --- scripts/bench_levers.py: one row per lever
 
 

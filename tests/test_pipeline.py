@@ -123,15 +123,18 @@ def metrics(cfg) -> list[dict]:
     return [json.loads(line) for line in lines if "train/loss" in line]
 
 
-def test_resume_continues_with_the_same_losses(prepared, tmp_path):
-    straight = fresh_run(prepared, tmp_path / "a", "stages=[train]")
+@pytest.mark.parametrize("average", [[], ["train.ema=0.5"]], ids=["weights", "ema"])
+def test_resume_continues_with_the_same_losses(prepared, tmp_path, average):
+    """Killed after the checkpoint at step 3 and rerun: the same losses and the same saved head as a run
+    never killed (with ``train.ema`` the saved head is the average, which the checkpoint carries)."""
+    straight = fresh_run(prepared, tmp_path / "a", "stages=[train]", *average)
     run_stages(straight)
     reference = metrics(straight)
     assert [m["step"] for m in reference] == list(range(1, 7))
 
-    crashed = fresh_run(prepared, tmp_path / "b", "stages=[train]")
+    crashed = fresh_run(prepared, tmp_path / "b", "stages=[train]", *average)
     ckpt = stage_dir(crashed, "train") / "checkpoints"
-    proc = cli(["stages=[train]"], tmp_path / "b")
+    proc = cli(["stages=[train]", *average], tmp_path / "b")
     deadline = time.time() + 600
     while time.time() < deadline and not (ckpt / "latest").exists():
         time.sleep(0.05)

@@ -179,6 +179,30 @@ def test_compare_heads(source, tmp_path):
     assert proc.returncode != 0 and "the heads are ['medusa'], the run read is eagle3" in proc.stderr
 
 
+def test_compare_heads_reads_the_taps_each_head_was_trained_on(source, tmp_path):
+    """An EAGLE-3 head tapping other layers than the run's extract is scored on its own run's states: the
+    figures its train stage saved with it (the run's states would feed it the wrong layers, silently)."""
+    import json
+    import shutil
+
+    from train.stages import run_stages, stage_dir
+
+    overrides = source("eagle3")
+    train = ["train.max_steps=4", "train.warmup_steps=1", "train.num_threads=1"]
+    runs = {"default": [], "taps": ["head.aux_layers=[1,3,6]", "head.layer_init=-2"]}
+    heads = {}
+    for name, keys in runs.items():
+        cfg = make_cfg([*overrides, f"run_dir={tmp_path / name}", "stages=[extract,train]", *train, *keys])
+        shutil.copytree(stage_dir(make_cfg(overrides), "data"), stage_dir(cfg, "data"))
+        run_stages(cfg)
+        heads[name] = stage_dir(cfg, "train") / "head"
+    out = run_script("compare_heads.py", str(heads["taps"]), str(heads["default"]), *overrides,
+                     f"run_dir={tmp_path / 'default'}")
+    for head in heads.values():
+        saved = json.loads((head / "metrics.json").read_text())
+        assert re.search(rf"^{re.escape(str(head))}\s+{saved['sim_tau']:.3f}\s+{saved['decode_tau']:.3f}\s", out, re.M), out
+
+
 @pytest.mark.slow
 def test_bench_train_both_heads(source):
     out = run_script("bench_train.py", *source("eagle3", "medusa"), "train.num_threads=1", "--steps", "2",

@@ -96,7 +96,7 @@ NUMBERS = {
     **dict.fromkeys(["data.regen.temperature", "eval.temperatures", "train.weight_decay", "train.grad_clip",
                      "eval.tie_tolerance", "head.tap_noise"], NON_NEG_NUM),
     **dict.fromkeys(["data.regen.top_p", "eval.top_p", "head.ttt_decay", "head.decay", "train.min_lr_ratio"], SHARE),
-    **dict.fromkeys(["data.validation_fraction", "head.dropout"], ("num", lambda v: 0 <= v < 1, "in [0, 1)", ())),
+    **dict.fromkeys(["data.validation_fraction", "head.dropout", "train.ema"], ("num", lambda v: 0 <= v < 1, "in [0, 1)", ())),
     "head.layer_init": ("int", lambda v: True, "(a target layer index, negative from the last)", (None,)),
 }
 _ABSENT = object()

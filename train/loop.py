@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from itertools import islice
 from typing import TYPE_CHECKING
@@ -269,6 +270,36 @@ def param_groups(head: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+class Average:
+    """An exponential moving average of the head's trainable parameters (``train.ema``, the decay per
+    optimizer step; early steps average with ``(1 + t) / (10 + t)`` where that is smaller, so the average is not
+    held at the start). Kept in float32 whatever the weights' dtype; validation and the saved head use it."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.shadow = [p.detach().float().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self, step: int) -> None:
+        """Move the average towards the weights after optimizer step ``step``."""
+        weight = 1 - min(self.decay, (1 + step) / (10 + step))
+        torch._foreach_lerp_(self.shadow, [p.detach().float() for p in self.params], weight)
+
+    @contextmanager
+    @torch.no_grad()
+    def swapped_in(self) -> Iterator[None]:
+        """The model holds the average inside the block and its own weights again after it."""
+        own = [p.detach().clone() for p in self.params]
+        for p, a in zip(self.params, self.shadow, strict=True):
+            p.copy_(a)
+        try:
+            yield
+        finally:
+            for p, w in zip(self.params, own, strict=True):
+                p.copy_(w)
+
+
 def fit_schedule(state: dict, tcfg: DictConfig, step_s: float, elapsed_s: float, planned_steps: int,
                  lr_ratio: float) -> bool:
     """Plan the steps that ``train.max_minutes`` allows at the measured average step time (which includes
@@ -449,6 +480,7 @@ class Trainer:
         # A lambda, not the bound method: LambdaLR leaves plain functions out of its (checkpointed) state.
         self.engine, self.scheduler = make_engine(head, self.tcfg, self.dtype, lambda s: self.lr_ratio(s))
         self.model = self.engine.module
+        self.average = Average(self.model, self.tcfg.ema) if self.tcfg.ema else None
         self.fingerprint, self.identity = fingerprint(cfg, "train"), checkpoint_identity(cfg)
 
     def lr_ratio(self, step: int) -> float:
@@ -485,6 +517,8 @@ class Trainer:
         _, client = self.engine.load_checkpoint(str(ckpt_dir), load_module_strict=False)
         state.update(client["state"])
         set_rng_state(client["rng"])
+        if self.average:
+            torch._foreach_copy_(self.average.shadow, [t.to(self.device) for t in client["average"]])
         if changed:
             log(f"[train] resuming with changed {', '.join(changed)}")
         if any(k in changed for k in ("train.max_minutes", "train.max_steps", "train.epochs")):
@@ -550,6 +584,8 @@ class Trainer:
             self.engine.step()
             self.tokens_seen += batch["tokens"]
         self.state["step"] += 1
+        if self.average:
+            self.average.update(self.state["step"])
         self.bar.update(1)
         return stats
 
@@ -585,18 +621,19 @@ class Trainer:
         self.bar.set_postfix(loss=f"{record['train/loss']:.3f}", acc0=f"{metrics['acc_0']:.2f}", tok_s=f"{rate:.0f}")
 
     def evaluate(self, reason: str) -> None:
-        """Validate; rank 0's figures decide on every rank whether the head is the best so far (then saved
-        to ``<out>/head``) and count towards early stopping."""
+        """Validate (the weights' average with ``train.ema``); rank 0's figures decide on every rank whether the
+        head is the best so far (then saved to ``<out>/head``) and count towards early stopping."""
         t0 = time.time()
-        metrics = validate(self.model, self.kind, self.cfg, self.data.val, self.data.val_rows, self.draft_rows,
-                           max(self.tcfg.micro_batch_tokens, 2048))
-        metrics = dist.broadcast(metrics)
         state = self.state
-        improved = metrics["sim_tau"] > state["best"] + 1e-4
-        if improved:
-            state["best"], state["bad_evals"] = metrics["sim_tau"], 0
-            self.save_best(metrics)
-        else:
+        with self.average.swapped_in() if self.average else nullcontext():
+            metrics = validate(self.model, self.kind, self.cfg, self.data.val, self.data.val_rows, self.draft_rows,
+                               max(self.tcfg.micro_batch_tokens, 2048))
+            metrics = dist.broadcast(metrics)
+            improved = metrics["sim_tau"] > state["best"] + 1e-4
+            if improved:
+                state["best"], state["bad_evals"] = metrics["sim_tau"], 0
+                self.save_best(metrics)
+        if not improved:
             state["bad_evals"] += 1
         state["history"].append({"step": state["step"], "reason": reason, **metrics})
         self.tracker.log({f"val/{k}": v for k, v in metrics.items()}, step=state["step"])
@@ -627,7 +664,8 @@ class Trainer:
             (ckpt_dir / tag / "client.json").write_text(json.dumps({"fingerprint": self.fingerprint,
                                                                      "step": state["step"], "identity": self.identity}))
         state["train_s"] = time.time() - self.start
-        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"state": state, "rng": rng_state()})
+        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"state": state, "rng": rng_state(),
+                                   "average": self.average.shadow if self.average else None})
         if dist.is_main():
             tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step"))
             for old in tags[: -self.tcfg.keep_checkpoints]:
