@@ -19,6 +19,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -29,6 +30,7 @@ from data.captured import CaptureWriter
 from data.formats import prompt_key, read_jsonl, rewrite_jsonl
 from data.template import conversation_ids, prompt_ids, with_system
 from eval.sampling import warp
+from train.errors import UserError
 from train.kvcache import join, joinable, kv_cache
 from train.log import log, progress
 from train.losses import full_argmax
@@ -253,7 +255,11 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
     fulls: dict[str, list[int]] = {}  # key -> the rendered conversation's ids (captured rows)
     lines: list[str] = []
     captured: list[tuple[str, Answer]] = []
-    with open(path, "a", encoding="utf-8") as f:
+
+    def flush() -> None:
+        _flush(f, lines, capture, captured, fulls, lm_head)
+
+    with open(path, "a", encoding="utf-8") as f, _on_out_of_memory(rcfg.batch_size, path, flush):
         for finished in stream(model, queue, rcfg.batch_size, refill, rcfg.max_new_tokens, eos, tokenizer.pad_token_id,
                                rcfg.temperature, rcfg.top_p, generator, capture.layers if capture else None,
                                partial(_template_tail, tokenizer, state, prompts, fulls)):
@@ -271,10 +277,10 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
                     prompts[key] = _next_prompt(tokenizer, r)
                     queue.append((key, prompts[key]))
             if len(lines) >= rcfg.batch_size:
-                _flush(f, lines, capture, captured, fulls, lm_head)
+                flush()
             bar.update(len(finished))
             bar.set_postfix(tok_s=f"{stats['new_tokens'] / (time.time() - start):.0f}")
-        _flush(f, lines, capture, captured, fulls, lm_head)
+        flush()
     bar.close()
     stats["seconds"] = round(time.time() - start, 1)
     stats["tokens_per_s"] = round(stats["new_tokens"] / max(stats["seconds"], 1e-9), 1)
@@ -283,6 +289,25 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
         stats["captured"] = {"rows": capture.rows, "tokens": capture.tokens}
     log(f"[data] regenerated {stats['new_tokens']} tokens in {stats['seconds']} s ({stats['tokens_per_s']} tok/s)")
     return stats
+
+
+class RegenMemoryError(UserError):
+    """The target ran out of device memory while regenerating (names the fix)."""
+
+
+@contextmanager
+def _on_out_of_memory(batch_size: int, path: Path, flush: Callable[[], None]) -> Iterator[None]:
+    """Out of device memory while regenerating: the answers finished so far are written (``flush``), then
+    one line says what to lower; a rerun continues from the cache."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        flush()
+        raise RegenMemoryError(
+            f"out of device memory regenerating {batch_size} rows at once (the KV cache grows with rows x "
+            f"(prompt + data.regen.max_new_tokens)): lower data.regen.batch_size, e.g. "
+            f"data.regen.batch_size={max(1, batch_size // 2)}, and rerun: the answers finished so far are kept in "
+            f"{path} and not generated again") from e
 
 
 def _flush(f, lines: list[str], capture: CaptureWriter | None, captured: list[tuple[str, Answer]],

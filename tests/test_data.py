@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from data.formats import DataError, read_source, to_messages
-from data.regenerate import generate, read_cache, regenerate
+from data.regenerate import RegenMemoryError, generate, read_cache, regenerate
 from data.template import check_template, tokenize_conversation, with_system
 from data.vocab import build_vocab, coverage
 from train.stages import read_marker, run_stages
@@ -160,6 +160,38 @@ def test_regeneration_resumes_after_a_crash(tiny_llama_cfg, tmp_path):
     stats = regenerate(convs, model, tok, rcfg, None, crashed)
     assert stats["cached"] == sum(json.loads(line)["complete"] for line in lines[:3]) > 0
     assert read_cache(crashed) == reference
+
+
+def test_out_of_memory_while_regenerating_names_the_fix_and_keeps_the_answers(tiny_llama_cfg, tmp_path, monkeypatch):
+    """Out of device memory mid-run: one error naming data.regen.batch_size, the answers finished before it
+    written to the cache (here three first turns, fewer than a batch: written only because of the error),
+    and the rerun generates only what is missing and ends where an uninterrupted run does."""
+    model, tok = load_target(tiny_llama_cfg), load_tokenizer(tiny_llama_cfg)
+    rcfg = tiny_llama_cfg.data.regen.copy()
+    rcfg.max_new_tokens, rcfg.batch_size = 12, 4
+    convs = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "user", "content": "and then?"}]}
+             for i in range(3)]
+    full = regenerate(convs, model, tok, rcfg, None, tmp_path / "full.jsonl")
+    reference = read_cache(tmp_path / "full.jsonl")
+
+    forward, calls = model.forward, []
+
+    def short_of_memory(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 20:  # the first turns answered (13 passes), the second ones decoding
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", short_of_memory)
+    path = tmp_path / "oom.jsonl"
+    with pytest.raises(RegenMemoryError, match=r"lower data.regen.batch_size, e.g. data.regen.batch_size=2, and rerun"):
+        regenerate(convs, model, tok, rcfg, None, path)
+    kept = read_cache(path)
+    assert len(kept) == 3 and all(r["messages"] == reference[k]["messages"][:2] for k, r in kept.items())
+    monkeypatch.setattr(model, "forward", forward)
+    rerun = regenerate(convs, model, tok, rcfg, None, path)
+    assert 0 < rerun["new_tokens"] < full["new_tokens"]
+    assert read_cache(path) == reference
 
 
 def test_batched_generation_matches_hf_generate(tiny_qwen2_cfg):
