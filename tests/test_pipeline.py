@@ -110,6 +110,17 @@ def test_extract_refuses_data_of_another_target(prepared, tmp_path):
         run_stages(other)
 
 
+def test_training_other_taps_than_the_extract_names_the_fix(prepared, tmp_path):
+    """head.aux_layers changed after the extract stage, then stages=[train] alone: one user error saying to
+    run the extract stage again, not a traceback; with it, the run goes through."""
+    cfg = fresh_run(prepared, tmp_path, "stages=[train]", "head.aux_layers=[1,3,6]")
+    with pytest.raises(ExtractError, match=r"holds layers \[2, 4, 5, 8\], this head reads \[1, 3, 6, 8\].*stages=\[extract,train\]"):
+        run_stages(cfg)
+    cfg.stages = ["extract", "train"]
+    run_stages(cfg)
+    assert (stage_dir(cfg, "train") / "head" / "model.safetensors").exists()
+
+
 def test_extract_refuses_when_disk_is_short(prepared, tmp_path, monkeypatch):
     cfg = fresh_run(prepared, tmp_path, "stages=[extract]", stages=("data",))
     monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))

@@ -36,7 +36,7 @@ from heads.frozen import TargetWeights
 from heads.io import build_head, head_config, save_head
 from train import dist
 from train.errors import ConfigError, UserError
-from train.extract import Captures, batches, capture, capture_layers
+from train.extract import Captures, ExtractError, batches, capture, capture_layers
 from train.log import log, peak_rss_gib, progress
 from train.losses import StepStats, eagle3_loss, full_argmax, medusa_loss, target_view
 from train.plan import check_train_memory
@@ -419,7 +419,9 @@ def load_data(cfg: DictConfig, target, layers: list[int], device: torch.device, 
     ds = load_dataset(cfg)
     captures = None if tcfg.online else Captures(stage_dir(cfg, "extract"))
     if captures is not None and captures.layers != layers:
-        raise RuntimeError(f"extracted layers {captures.layers} != layers this head needs {layers}; rerun extract")
+        raise ExtractError(f"the extract stage in {stage_dir(cfg, 'extract')} holds layers {captures.layers}, this head "
+                           f"reads {layers} (head.aux_layers changed since): run the extract stage again with the same "
+                           f"overrides, e.g. stages=[extract,train]")
     all_lengths = row_lengths(ds["train"])
     index = train_subset(all_lengths, tcfg.data_tokens, cfg.seed)
     lengths = [all_lengths[r] for r in index]
