@@ -12,7 +12,7 @@ per pass (Medusa: its heads) walked along the rows (the target's greedy answers)
 resamples rows (prompts), the unit a set of prompts varies by.
 
 An EAGLE-3 head tapping other layers than the run's extract holds (``head.aux_layers``) reads them from
-its own run (the folder above ``train/head``), whose validation rows must be the run's rows.
+its own run (the folder above ``train/head``), whose data stage must have written the run's data.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from heads.io import head_type, load_head  # noqa: E402
 from train.config import compose  # noqa: E402
 from train.extract import capture_layers  # noqa: E402
 from train.loop import Batches, Data, decode_k, decode_tau, load_data, summarise, validation_rows  # noqa: E402
+from train.stages import upstream_ids  # noqa: E402
 from train.target import load_weights  # noqa: E402
 
 
@@ -49,20 +50,16 @@ def paired_interval(a: list[list[int]], b: list[list[int]], samples: int, seed: 
 
 def own_rows(path: Path, head, cfg, data: Data, overrides: list[str], target_config) -> Batches:
     """The validation rows with the hidden states ``head`` reads: the run's, or (an EAGLE-3 head tapping
-    other layers) its own run's, refused unless that run holds the same validation rows."""
+    other layers) its own run's, refused unless that run's data stage wrote the same rows (its output id)."""
     if cfg.head.type != "eagle3" or capture_layers(cfg, target_config)[:-1] == head.config.aux_layers:
         return data.val
     taps = head.config.aux_layers
     run = path.resolve().parents[1]
     own = compose(["tracking=none", *overrides, f"run_dir={run}", f"head.aux_layers=[{','.join(map(str, taps))}]"])
-    val = load_data(own, None, capture_layers(own, target_config), torch.device("cpu"), 1).val
-    def ids(rows) -> list[list[int]]:
-        return [torch.as_tensor(rows[r]["input_ids"]).tolist() for r in data.val_rows]
-
-    if ids(val.rows) != ids(data.val.rows):
+    if upstream_ids(own, "extract")["data"] != upstream_ids(cfg, "extract")["data"]:
         sys.exit(f"compare_heads: {path} taps layers {taps}, which {cfg.run_dir} did not extract, and its own run "
-                 f"{run} holds other validation rows: compare heads trained on the same data")
-    return val
+                 f"{run} holds other data: compare heads trained on the same data")
+    return load_data(own, None, capture_layers(own, target_config), torch.device("cpu"), 1).val
 
 
 def main() -> None:

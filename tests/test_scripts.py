@@ -185,7 +185,7 @@ def test_compare_heads_reads_the_taps_each_head_was_trained_on(source, tmp_path)
     import json
     import shutil
 
-    from train.stages import run_stages, stage_dir
+    from train.stages import MARKER, run_stages, stage_dir
 
     overrides = source("eagle3")
     train = ["train.max_steps=4", "train.warmup_steps=1", "train.num_threads=1"]
@@ -201,6 +201,12 @@ def test_compare_heads_reads_the_taps_each_head_was_trained_on(source, tmp_path)
     for head in heads.values():
         saved = json.loads((head / "metrics.json").read_text())
         assert re.search(rf"^{re.escape(str(head))}\s+{saved['sim_tau']:.3f}\s+{saved['decode_tau']:.3f}\s", out, re.M), out
+    marker = heads["taps"].parents[1] / "data" / MARKER  # the taps run's data made other: refused, naming why
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "output_id": "other"}))
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "compare_heads.py"), str(heads["taps"]), str(heads["default"]),
+                           *overrides, f"run_dir={tmp_path / 'default'}"], cwd=ROOT, env=child_env(), capture_output=True,
+                          text=True)
+    assert proc.returncode != 0 and "holds other data: compare heads trained on the same data" in proc.stderr
 
 
 @pytest.mark.slow
