@@ -1,7 +1,7 @@
 """Training levers aimed at acceptance (issue "heads that beat n-gram"): the draft layer started from a
 target layer (``head.layer_init``), the objectives (``head.loss``: TV, LK-alpha, LK-lambda, HASS's top-K,
 forward + reverse KL), relative tap noise (``head.tap_noise``), dropout (``head.dropout``), the reach mask
-of the training-time test (``head.ttt_reach_topk``), the forward under bf16 autocast (``train.autocast``) and
+of the training-time test (``head.ttt_reach_topk``), the feature regression (``head.feature_loss``), the forward under bf16 autocast (``train.autocast``) and
 the lever table of scripts/bench_levers.py."""
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from tests.test_heads import HEAD_CFG, tiny_batch, tiny_eagle3, tiny_view
 from train.extract import capture
 from train.losses import (
     OBJECTIVES,
+    counted,
     eagle3_loss,
+    feature_error,
     full_argmax,
     hits,
     medusa_loss,
@@ -294,6 +296,39 @@ def test_reach_mask_trains_later_steps_only_where_a_decoder_gets_to(tiny_llama_c
     assert masked.losses[1] == pytest.approx(objective("kl", log_q1, shift(view.log_p, 2), w1 * reach).item(), rel=1e-5)
     assert masked.losses[1] != pytest.approx(every.losses[1], rel=1e-3)
     assert all(torch.equal(a, b) for a, b in zip(masked.correct + masked.weight, every.correct + every.weight, strict=True))
+
+
+# --- head.feature_loss
+
+
+def test_feature_loss_adds_each_steps_feature_error_against_the_target_state_it_stands_for(tiny_llama_cfg):
+    """Step k's loss gains ``feature_loss`` x the counted rows' mean relative squared error of the normed
+    feature at row t against the target's final state at t + 1 + k (two steps unrolled by hand); the gradient
+    reaches the layer; at 0 nothing changes; the accuracies never do."""
+    target = load_target(tiny_llama_cfg)
+    head = tiny_eagle3(target)
+    ids, states, lengths, mask = tiny_batch(target, [*head.config.aux_layers, target.config.num_hidden_layers])
+    view, taps, last = tiny_view(target, head, states), states[:, :, :-1].flatten(2), states[:, :, -1]
+    with torch.no_grad():
+        cache, pos = TTTCache(), torch.arange(ids.shape[1])[None].expand(len(ids), -1)
+        h0 = head(head.project(taps), shift(ids, 1), pos, cache)
+        h1 = head(h0, shift(ids, 2), pos + 1, cache)
+        plain = eagle3_loss(head, taps, ids, lengths, mask, view, 2, 0.8, "all", "kl", last=last)
+        both = eagle3_loss(head, taps, ids, lengths, mask, view, 2, 0.8, "all", "kl", feature_loss=0.5, last=last)
+    for k, h in enumerate([h0, h1]):
+        c = counted(lengths, mask, k, "all").float()
+        err = ((head.norm(h) - shift(last, 1 + k)).pow(2).sum(-1) / shift(last, 1 + k).pow(2).sum(-1).clamp(min=1e-6))
+        assert torch.allclose(feature_error(head.norm(h), shift(last, 1 + k)), err)
+        expected = plain.losses[k] + 0.5 * ((err * c).sum() / c.sum()).item()
+        assert both.losses[k] == pytest.approx(expected, rel=1e-5)
+        assert both.losses[k] > plain.losses[k] + 1e-3
+    assert all(torch.equal(a, b) for a, b in zip(both.correct + both.weight, plain.correct + plain.weight, strict=True))
+    head.zero_grad()
+    eagle3_loss(head, taps, ids, lengths, mask, view, 2, 0.8, "all", "kl", feature_loss=0.0, last=last).loss.backward()
+    g0 = head.midlayer.mlp.down_proj.weight.grad.clone()
+    head.zero_grad()
+    eagle3_loss(head, taps, ids, lengths, mask, view, 2, 0.8, "all", "kl", feature_loss=0.5, last=last).loss.backward()
+    assert not torch.allclose(head.midlayer.mlp.down_proj.weight.grad, g0)
 
 
 # --- train.autocast

@@ -94,7 +94,7 @@ NUMBERS = {
                      "extract.disk_margin", "planner.avg_row_tokens"], POS_NUM),
     **dict.fromkeys(["train.max_minutes", "planner.tokens", "planner.rows"], POS_NUM[:3] + ((None,),)),
     **dict.fromkeys(["data.regen.temperature", "eval.temperatures", "train.weight_decay", "train.grad_clip",
-                     "eval.tie_tolerance", "head.tap_noise"], NON_NEG_NUM),
+                     "eval.tie_tolerance", "head.tap_noise", "head.feature_loss"], NON_NEG_NUM),
     **dict.fromkeys(["data.regen.top_p", "eval.top_p", "head.ttt_decay", "head.decay", "train.min_lr_ratio"], SHARE),
     **dict.fromkeys(["data.validation_fraction", "head.dropout", "train.ema"], ("num", lambda v: 0 <= v < 1, "in [0, 1)", ())),
     "head.layer_init": ("int", lambda v: True, "(a target layer index, negative from the last)", (None,)),

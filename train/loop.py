@@ -145,7 +145,7 @@ def compute(head, kind: str, batch: dict, draft_rows: torch.Tensor, cfg: DictCon
             taps = states[:, :, :-1].flatten(2).to(dtype)
             return eagle3_loss(head, taps, batch["input_ids"], batch["lengths"], batch["loss_mask"], view,
                                steps, cfg.head.ttt_decay, positions, cfg.head.loss, cfg.head.tap_noise,
-                               cfg.head.dropout, cfg.head.ttt_reach_topk)
+                               cfg.head.dropout, cfg.head.ttt_reach_topk, cfg.head.feature_loss, last)
         return medusa_loss(head, last.to(dtype), batch["input_ids"], batch["lengths"], batch["loss_mask"], view,
                            cfg.head.decay, positions, cfg.head.loss, cfg.head.dropout)
 

@@ -153,15 +153,26 @@ def with_tap_noise(taps: torch.Tensor, std: float, n_taps: int) -> torch.Tensor:
     return (x + std * rms * torch.randn_like(x)).flatten(-2)
 
 
+def feature_error(out: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """[B, T] relative squared error |out - last|^2 / |last|^2 of the draft's normed features ``out`` against
+    the target's final (post-norm) hidden states ``last`` (both [B, T, H]), in fp32."""
+    err = (out.float() - last.float()).pow(2).sum(-1)
+    return err / last.float().pow(2).sum(-1).clamp(min=1e-6)
+
+
 def eagle3_loss(head: Eagle3Head, taps: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor,
                 loss_mask: torch.Tensor, view: TargetView, steps: int, decay: float, positions: str,
-                loss: str = "kl", tap_noise: float = 0.0, dropout: float = 0.0, reach_topk: int = 0) -> StepStats:
+                loss: str = "kl", tap_noise: float = 0.0, dropout: float = 0.0, reach_topk: int = 0,
+                feature_loss: float = 0.0, last: torch.Tensor | None = None) -> StepStats:
     """Training-time test: ``steps`` unrolled draft steps, each fed its own previous feature and the
     ground-truth next token; attention across steps as in :class:`heads.eagle3.TTTCache`. ``loss``: see
     :func:`objective`; while the head is training, ``tap_noise`` (:func:`with_tap_noise`) and ``dropout``
     on the taps. ``reach_topk`` > 0: step k >= 1 learns only at the rows a decoder reaches, where every
     earlier step's ``reach_topk`` likeliest tokens held the target's next token (:func:`reached`; GRIFFIN's
-    loss mask, arXiv 2502.11018); the accuracies still count every row."""
+    loss mask, arXiv 2502.11018); the accuracies still count every row. ``feature_loss`` > 0 adds that weight
+    times :func:`feature_error` of each step's normed feature against the target's final hidden state ``last``
+    at the position it stands for (row t of step k: t + 1 + k), EAGLE-1's feature regression: the lm_head's
+    input distilled in all H directions, not only through the draft vocabulary's softmax."""
     B, T = input_ids.shape
     if tap_noise and head.training:
         taps = with_tap_noise(taps, tap_noise, len(head.config.aux_layers))
@@ -177,6 +188,10 @@ def eagle3_loss(head: Eagle3Head, taps: torch.Tensor, input_ids: torch.Tensor, l
         log_q = torch.log_softmax(head.logits(hidden).float(), -1)
         w = weights(view, lengths, loss_mask, k, positions) * reach
         loss_k = objective(loss, log_q, shift(view.log_p, 1 + k), w)
+        if feature_loss:
+            c = counted(lengths, loss_mask, k, positions).float()
+            err = feature_error(head.norm(hidden), shift(last, 1 + k))
+            loss_k = loss_k + feature_loss * (err * c).sum() / c.sum().clamp(min=1.0)
         if reach_topk and k + 1 < steps:   # the last step's reach would mask nothing
             reach = reach & reached(log_q.detach(), view, k, reach_topk)
         total = total + decay**k * loss_k
