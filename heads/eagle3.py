@@ -271,14 +271,16 @@ class Eagle3Head(DraftVocab):
             self.norm.weight.copy_(weights.norm)
 
     @torch.no_grad()
-    def init_layer_from_target(self, layer: dict[str, torch.Tensor]) -> list[str]:
+    def init_layer_from_target(self, layer: dict[str, torch.Tensor], embed_half: str = "zero") -> list[str]:
         """Start ``midlayer`` from a target decoder layer (``layer``: its tensors by name inside the layer,
         as :func:`train.target.load_layer_weights` reads them). q/k/v get the target's weights on the
         hidden-state half of their 2H-wide input and zeros on the embedding half; ``hidden_norm`` gets the
         target's ``input_layernorm``; o_proj, the MLP and ``post_attention_layernorm`` are copied. So the
         first draft step computes exactly that target layer on its feature (with ``fc_init=last_tap`` and the
         last tap entering that layer: the target's own next residual state), up to what the head lacks; the
-        token path (embedding half, ``input_layernorm``) starts at zero and is learned.
+        token path (embedding half, ``input_layernorm``) starts at zero and is learned. ``embed_half="copy"``: the
+        embedding half gets the same q/k/v weights and ``input_layernorm`` the target's too, so the next token
+        enters attention as if it were part of the residual stream.
         Returns the target's tensors the head has no place for (Qwen2's q/k/v biases, Qwen3's q/k norms):
         they are not copied."""
         H, attn, mlp = self.config.hidden_size, self.midlayer.self_attn, self.midlayer.mlp
@@ -295,8 +297,13 @@ class Eagle3Head(DraftVocab):
                              f"target vs head shapes {wrong}); leave the head's layer sizes at null (the target's)")
         for name, param in into.items():
             param.copy_(layer[name])
+        if embed_half not in ("zero", "copy"):
+            raise ValueError(f"head.layer_init_embed must be zero or copy, got {embed_half!r}")
+        if embed_half == "copy":
+            self.midlayer.input_layernorm.weight.copy_(layer["input_layernorm.weight"])
         for p in "qkv":
-            getattr(attn, f"{p}_proj").weight[:, :H] = 0
+            w = getattr(attn, f"{p}_proj").weight
+            w[:, :H] = w[:, H:] if embed_half == "copy" else 0
         return sorted(set(layer) - set(into))
 
     @torch.no_grad()

@@ -89,6 +89,36 @@ def test_layer_init_with_last_tap_fc_starts_as_the_target_layer():
     torch.testing.assert_close(out, states[:, :, 3], rtol=1e-9, atol=1e-9)
 
 
+def test_layer_init_embed_copy_gives_the_token_the_layers_own_qkv():
+    """``embed_half="copy"``: q/k/v read the normed next-token embedding with the layer's own weights (and its
+    input norm), so the first step depends on the token from the start, where "zero" ignores it; anything else
+    is refused."""
+    cfg = make_cfg(["model=tiny-llama"])
+    target = load_target(cfg)
+    layer = load_layer_weights(cfg, -3)
+    H = target.config.hidden_size
+    outs = {}
+    for mode in ("zero", "copy"):
+        head = tiny_eagle3(target)
+        head.init_layer_from_target(layer, mode)
+        head.init_fc_last_tap()
+        mid = head.midlayer
+        if mode == "copy":
+            for p in "qkv":
+                weight = getattr(mid.self_attn, f"{p}_proj").weight
+                assert torch.equal(weight[:, :H], layer[f"self_attn.{p}_proj.weight"])
+                assert torch.equal(weight[:, H:], layer[f"self_attn.{p}_proj.weight"])
+            assert torch.equal(mid.input_layernorm.weight, layer["input_layernorm.weight"])
+        torch.manual_seed(0)
+        feats, pos = torch.randn(1, 6, H), torch.arange(6)[None]
+        with torch.no_grad():
+            outs[mode] = [head(feats, torch.full((1, 6), t), pos, TTTCache()) for t in (3, 7)]
+    assert torch.equal(*outs["zero"])
+    assert not torch.allclose(*outs["copy"])
+    with pytest.raises(ValueError, match="head.layer_init_embed must be zero or copy"):
+        tiny_eagle3(target).init_layer_from_target(layer, "random")
+
+
 def test_layer_init_refuses_what_does_not_fit():
     cfg = make_cfg(["model=tiny-llama"])
     target = load_target(cfg)

@@ -392,7 +392,7 @@ def make_head(cfg: DictConfig, weights: TargetWeights, device: torch.device,
             f"{coverage(counts['validation_counts'], t2d):.2%} of held-out answer tokens")
     head.init_from_target(weights, cfg.head.get("init_from_target", True))
     if kind == "eagle3" and cfg.head.layer_init is not None:
-        skipped = head.init_layer_from_target(load_layer_weights(cfg, cfg.head.layer_init))
+        skipped = head.init_layer_from_target(load_layer_weights(cfg, cfg.head.layer_init), cfg.head.layer_init_embed)
         log(f"[train] draft layer <- target layer {cfg.head.layer_init}; not copied (the head has none): {skipped}")
     head.to(device)
     if kind == "eagle3" and cfg.head.fc_init == "last_tap":

@@ -60,7 +60,8 @@ IGNORED = {
 # Keys added after runs were made, with the value that reproduces those runs: at that value a key does not
 # count, so a finished stage (or a checkpoint) made before the key existed stays valid after an upgrade.
 ADDED = {"head.dropout": 0.0, "data.train_rows": None, "head.ttt_reach_topk": 0, "train.autocast": None,
-         "train.ema": 0.0, "head.feature_loss": 0.0}
+         "train.ema": 0.0, "head.feature_loss": 0.0,
+         "head.layer_init_embed": "zero"}
 # Keys that rerun the train stage (its result may differ) but keep its checkpoints: the run continues from
 # the latest checkpoint with the new value (budgets: a longer train.max_minutes continues training, the
 # schedule refitted from the current step; validation settings only change what is measured from now on).
