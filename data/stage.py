@@ -67,10 +67,11 @@ def seeded_order(convs: list[dict], tag: str) -> list[dict]:
     return sorted(convs, key=lambda c: random.Random(f"{tag}-{c['id']}").random())
 
 
-def assign_splits(convs: list[dict], fraction: float, seed: int) -> None:
+def assign_splits(convs: list[dict], fraction: float, seed: int, max_rows: int | None = None) -> None:
     """Rows with a split of their own keep it. Of the rows without one, ``data.validation_fraction``
-    (default 5%) go to validation: round(fraction x n) rows, at least 1 when fraction > 0 and n >= 2, the
-    first by a seeded hash of their id (a row's split does not depend on the order of its file)."""
+    (default 5%) go to validation: round(fraction x n) rows, at least 1 when fraction > 0 and n >= 2, at most
+    ``max_rows`` (``data.validation_max_rows``), the first by a seeded hash of their id (a row's split does not
+    depend on the order of its file; a smaller cap keeps a subset of a larger one's rows)."""
     free = []
     for conv in convs:
         if conv["split"] is None:
@@ -78,6 +79,7 @@ def assign_splits(convs: list[dict], fraction: float, seed: int) -> None:
         elif conv["split"] not in SPLITS:
             raise DataError(f"row {conv['id']}: split must be train or validation, got {conv['split']!r}")
     n_val = max(1, round(fraction * len(free))) if fraction > 0 and len(free) >= 2 else 0
+    n_val = min(n_val, max_rows) if max_rows is not None else n_val
     for i, conv in enumerate(seeded_order(free, str(seed))):
         conv["split"] = "validation" if i < n_val else "train"
 
@@ -112,7 +114,7 @@ def run(cfg: DictConfig) -> dict:
             counts["dropped_eval_overlap"] += 1
             continue
         kept.append(conv)
-    assign_splits(kept, dcfg.validation_fraction, cfg.seed)  # after the drops: held-out rows are kept
+    assign_splits(kept, dcfg.validation_fraction, cfg.seed, dcfg.validation_max_rows)  # after the drops: held-out rows are kept
     if counts["dropped_eval_overlap"]:
         log(f"[data] dropped {counts['dropped_eval_overlap']} conversations overlapping evaluation prompts")
     convs = sample_train_rows(kept, dcfg.get("train_rows"), cfg.seed)  # before regeneration: only these are answered

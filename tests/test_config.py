@@ -100,6 +100,8 @@ def test_full_training_preset_extends_the_default():
     default, full = make_cfg([]).train, make_cfg(["train=full"]).train
     assert full.max_minutes is None and full.val_tokens is None and full.lr < default.lr
     assert set(full) == set(default) and full.positions == "assistant"
+    for preset in (["train=full"], ["model=qwen3-8b"]):   # the real presets select it
+        assert make_cfg(preset).data.regen.max_new_tokens == 2048 > make_cfg([]).data.regen.max_new_tokens
 
 
 # --- One validation pass (train/checks.py): every enum-like key rejects a typo, listing the valid values.

@@ -108,6 +108,19 @@ def test_rows_without_a_split_hold_out_a_share(n, fraction, expected):
     assert {c["id"] for c in again if c["split"] == "validation"} == {c["id"] for c in convs[:n] if c["split"] == "validation"}
 
 
+def test_validation_max_rows_caps_the_held_out_share_with_nested_rows():
+    """5% of 500k rows would hold out 25k (a 7-8B target's states for them: ~0.5 TB): ``max_rows`` caps it; a
+    smaller cap holds out a subset of a larger one's rows; rows with their own split are not counted."""
+    held = {}
+    for cap in (None, 30, 10):
+        convs = [_conv(i) for i in range(1000)] + [_conv("v", "validation")]
+        assign_splits(convs, 0.05, seed=0, max_rows=cap)
+        held[cap] = {c["id"] for c in convs[:1000] if c["split"] == "validation"}
+        assert convs[-1]["split"] == "validation"
+    assert (len(held[None]), len(held[30]), len(held[10])) == (50, 30, 10)
+    assert held[10] < held[30] < held[None]
+
+
 def test_train_rows_keep_a_nested_seeded_subset_and_every_validation_row():
     convs = [_conv(i, "validation" if i % 5 == 0 else "train") for i in range(50)]
     ids = lambda rows: [c["id"] for c in rows]  # noqa: E731

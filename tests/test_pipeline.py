@@ -397,3 +397,35 @@ def test_one_cpu_rank_joins_its_group_without_building_the_shared_memory_op(tmp_
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["True", "1"]
     assert not any(tmp_path.rglob("*.so")), sorted(map(str, tmp_path.rglob("*")))
+
+
+def test_each_stage_gives_its_gpu_memory_back(monkeypatch, tmp_path):
+    """After a stage, its objects (a target in a reference cycle, here) are collected and then the caching
+    allocator's blocks are released, before the next stage checks the free memory."""
+    import gc
+    import types
+    import weakref
+
+    import train.stages as stages
+
+    class Model:
+        pass
+
+    refs, events = [], []
+
+    def stage_run(cfg):
+        model = Model()
+        model.me = model                      # a cycle: freed by the collector only
+        refs.append(weakref.ref(model))
+        return {}
+
+    monkeypatch.setitem(stages.ENTRY, "export", "fake_export")
+    monkeypatch.setitem(sys.modules, "fake_export", types.SimpleNamespace(run=stage_run))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append(refs[-1]() is None))
+    gc.disable()
+    try:
+        stages.run_stages(make_cfg(["model=tiny-llama", "stages=[export]", f"run_dir={tmp_path}"]))
+    finally:
+        gc.enable()
+    assert events == [True]

@@ -330,3 +330,15 @@ def test_data_regeneration_survives_sigkill(tmp_path):
     assert len(finished) == len(set(finished)) == len(reference)  # no conversation finished twice
     assert read_cache(target) == reference
     assert read_marker(cfg, "data")["output_id"] == read_marker(ref, "data")["output_id"]
+
+
+def test_warmup_never_outlasts_a_short_run():
+    """A run of few planned steps (the built-in prompts on 8 GPUs: ~2 steps per epoch, 20 in all, against
+    train=full's 200 warmup steps) warms up over a tenth of them and reaches the full rate, then anneals; a
+    long run keeps the configured warmup."""
+    assert train.loop.warmup_steps(200, 100000) == 200
+    warmup = train.loop.warmup_steps(200, 20)
+    assert warmup == 2
+    ratios = [train.loop.lr_lambda(s, warmup, 20, 0.1) for s in range(20)]
+    assert max(ratios) == pytest.approx(1.0) and ratios[-1] < 0.2
+    assert max(train.loop.lr_lambda(s, 200, 20, 0.1) for s in range(20)) <= 0.1   # what the configured 200 gave

@@ -261,6 +261,17 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float, segment: lis
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress_))
 
 
+def warmup_steps(configured: int, planned: int) -> int:
+    """``train.warmup_steps``, at most a tenth of the planned steps: a small dataset on many ranks plans few
+    steps (the built-in prompts on 8 GPUs with 8192-token micro-batches: ~2 per epoch), and a warmup longer
+    than the run would keep the learning rate near zero throughout."""
+    warmup = min(configured, planned // 10)
+    if warmup < configured:
+        log(f"[train] train.warmup_steps={configured} is more than a tenth of the {planned} steps planned: "
+            f"warming up over {warmup}")
+    return warmup
+
+
 def param_groups(head: torch.nn.Module, weight_decay: float) -> list[dict]:
     """AdamW groups of the trainable parameters: decay on matrices (>= 2-D weights) only, none on norm
     weights and biases (1-D) -- decaying RMSNorm gains towards 0 only hurts."""
@@ -476,6 +487,7 @@ class Trainer:
         del weights
         self.data = load_data(cfg, target, layers, self.device, self.per_step)
         self.planned_steps = self.tcfg.max_steps or self.tcfg.epochs * self.data.steps_per_epoch
+        self.warmup = warmup_steps(self.tcfg.warmup_steps, self.planned_steps)
         # With a wall-clock budget the schedule is fitted to it from the measured step time once the warmup has
         # been timed (kept in the checkpointed state, so a resumed run follows the same schedule).
         self.state = {"step": 0, "best": -1.0, "bad_evals": 0, "history": [], "total_steps": self.planned_steps}
@@ -488,7 +500,7 @@ class Trainer:
     def lr_ratio(self, step: int) -> float:
         """The learning-rate multiplier at ``step`` under the current plan (``state`` changes when refitted)."""
         t, s = self.tcfg, self.state
-        return lr_lambda(step, t.warmup_steps, s["total_steps"], t.min_lr_ratio, s.get("segment"))
+        return lr_lambda(step, self.warmup, s["total_steps"], t.min_lr_ratio, s.get("segment"))
 
     def resume(self) -> None:
         """Continue from the latest complete checkpoint. ``force=[train]`` deletes the checkpoints and starts
@@ -600,7 +612,7 @@ class Trainer:
             return False
         elapsed_s, timed_s = dist.broadcast((time.time() - self.start, time.time() - self.timed_from[1]))
         timed = state["step"] - self.timed_from[0]
-        if timed >= max(1, tcfg.warmup_steps) and fit_schedule(state, tcfg, timed_s / timed, elapsed_s,
+        if timed >= max(1, self.warmup) and fit_schedule(state, tcfg, timed_s / timed, elapsed_s,
                                                                  self.planned_steps, self.lr_ratio(state["step"])):
             self.bar.total = state["total_steps"]
         return elapsed_s / 60 >= tcfg.max_minutes

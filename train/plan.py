@@ -140,7 +140,8 @@ def data_tokens(cfg: DictConfig) -> tuple[dict[str, int], str]:
         return {k: int(v) for k, v in json.loads(manifest.read_text())["tokens"].items()}, f"data manifest {manifest}"
     rows = pcfg.rows or _count_rows(cfg)
     per_row = min(pcfg.avg_row_tokens, cfg.data.max_length)
-    val = int(rows * per_row * cfg.data.validation_fraction)
+    cap = cfg.data.validation_max_rows
+    val = int(min(rows * cfg.data.validation_fraction, cap if cap is not None else rows) * per_row)
     return ({"train": rows * per_row - val, "validation": val},
             f"estimate: {rows} rows x {per_row} tokens/row (planner.avg_row_tokens); run the data stage or "
             "set planner.tokens for the real figure")

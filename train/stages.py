@@ -12,6 +12,7 @@ partial work it finds, e.g. extraction shards, training checkpoints, eval record
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import importlib
 import json
@@ -61,7 +62,7 @@ IGNORED = {
 # count, so a finished stage (or a checkpoint) made before the key existed stays valid after an upgrade.
 ADDED = {"head.dropout": 0.0, "data.train_rows": None, "head.ttt_reach_topk": 0, "train.autocast": None,
          "train.ema": 0.0, "head.feature_loss": 0.0,
-         "head.layer_init_embed": "zero"}
+         "head.layer_init_embed": "zero", "data.validation_max_rows": None}
 # Keys that rerun the train stage (its result may differ) but keep its checkpoints: the run continues from
 # the latest checkpoint with the new value (budgets: a longer train.max_minutes continues training, the
 # schedule refitted from the current step; validation settings only change what is measured from now on).
@@ -72,7 +73,7 @@ RESUMABLE = {"train": ["train.max_minutes", "train.max_steps", "train.epochs", "
 OUTPUTS = {
     "data": ["dataset/*/*.arrow"],  # vocab.safetensors holds counts of these rows
     "extract": ["manifest.json"],
-    "train": ["head/*.safetensors", "head/config.json"],
+    "train": ["head/*.safetensors", "head/head_config.json"],
 }
 # Bumped when a stage's output format changes, so older outputs are redone rather than misread.
 FORMAT_VERSION = {"data": 2, "extract": 2}
@@ -227,10 +228,22 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
             if shares_work(cfg, name):  # this rank's share first (it signals rank 0 by a file), then wait
                 importlib.import_module(ENTRY[name]).run(cfg)
             marker = wait_for_marker(cfg, name, fp)
+        release_memory()
         dist.barrier()
         log(f"[{name}] done in {marker['wall_s']} s")
         results[name] = marker
     return results
+
+
+def release_memory() -> None:
+    """Give what a finished stage held (its target, activations) back to the GPU: PyTorch's caching allocator
+    keeps freed blocks reserved, the driver counts them as used, and the train stage's memory check reads the
+    driver's free memory, so a 7-8B target cached by the data or extract stage would fail it falsely."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def shares_work(cfg: DictConfig, name: str) -> bool:
