@@ -47,6 +47,11 @@ def test_plan_figures_follow_the_config(cfg_factory):
     cfg = cfg_factory("model=qwen2.5-7b", "planner.device=gpu", "planner.tokens=1000000")
     p = planner.plan(cfg)
     assert p["dtype"] == "bfloat16" and p["extract"]["disk_bytes"] == 1_000_000 * (4 * 3584 * 2 + 4)
+    # the hf backend keeps the states it generates; extract copies them into shards, then deletes them
+    assert p["extract"]["disk_peak"] == 2 * p["extract"]["disk_bytes"] and "peak" in planner.format_plan(p)
+    single = planner.plan(cfg_factory("model=qwen2.5-7b", "planner.device=gpu", "planner.tokens=1000000",
+                                      "extract.source=pass"))["extract"]
+    assert single["disk_peak"] == single["disk_bytes"] == p["extract"]["disk_bytes"]
     base = p["train"]["memory"]
     bigger = planner.plan(cfg_factory("model=qwen2.5-7b", "planner.device=gpu", "train.micro_batch_tokens=16384"))
     deeper = planner.plan(cfg_factory("model=qwen2.5-7b", "planner.device=gpu", "head.ttt_steps=8"))

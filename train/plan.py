@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from data.captured import keeps_states
 from heads.eagle3 import TTTCache
 from heads.io import build_head, head_config
 from train.errors import ConfigError, UserError
@@ -368,6 +369,8 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
         "tokens_source": tokens_source, "free_here": _free_memory(device) if _here(device) else None,
         "headroom": pc.headroom,
         "extract": {"bytes_per_token": per_token, "disk_bytes": total * per_token, "disk_dir": str(disk_dir),
+                    # states kept while regenerating sit beside the shards until extract has copied them all
+                    "disk_peak": total * per_token * (2 if keeps_states(cfg) else 1),
                     "disk_free": shutil.disk_usage(disk_dir).free, "disk_margin": cfg.extract.disk_margin,
                     "memory": extract_memory(cfg, sh, extract_dtype, world), "tok_s": extract_rate, "basis": extract_basis,
                     "hours": total / (extract_rate * world) / 3600},
@@ -398,7 +401,7 @@ def format_plan(p: dict) -> str:
     """The plan as a table (what ``plan=true`` prints)."""
     sh, ex, tr = p["shapes"], p["extract"], p["train"]
     c, free = sh.config, p["free_here"]
-    short_disk = ex["disk_free"] < ex["disk_bytes"] * ex["disk_margin"]
+    short_disk = ex["disk_free"] < ex["disk_peak"] * ex["disk_margin"]
     lines = [
         f"PLAN   model={p['model']}: {p['architecture']}, {_count(sh.target_params)} parameters, {c.num_hidden_layers} "
         f"layers, hidden {c.hidden_size}, vocabulary {c.vocab_size} (from {p['config_source']})",
@@ -418,6 +421,8 @@ def format_plan(p: dict) -> str:
     lines += ["", "EXTRACT", f"  {'disk':<27}{_gib(ex['disk_bytes'])}   {ex['bytes_per_token']:,} bytes/token x "
               f"{sum(p['tokens'].values()):,} tokens = {ex['bytes_per_token'] * 1e6 / GiB:.1f} GiB per million tokens; "
               f"{ex['disk_free'] / GiB:.1f} GiB free at {ex['disk_dir']}"
+              + (f"; peak {ex['disk_peak'] / GiB:.1f} GiB: the states kept while regenerating (extract.source) stay "
+                 "until extract has copied them into its shards" if ex["disk_peak"] > ex["disk_bytes"] else "")
               + (f"   << DISK TOO SMALL (x{ex['disk_margin']} margin): extract will refuse" if short_disk else "")]
     memory("memory per rank (peak)", ex["memory"])
     lines.append(f"  {'time':<27}{_duration(ex['hours'])}   at {ex['tok_s']:,.0f} tok/s per rank ({ex['basis']})")
