@@ -37,6 +37,7 @@ VARIANTS = {
         "tap noise 0.05:head.tap_noise=0.05",
         "random start (no layer init, random fc):head.layer_init=null,head.fc_init=random",
         "layer init, random fc:head.fc_init=random",
+        "layer init, token path from zero:head.layer_init_embed=zero",
         *OBJECTIVE_VARIANTS,
         "KL alone:head.loss=kl",
         "dropout 0.1:head.dropout=0.1",
