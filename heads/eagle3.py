@@ -22,6 +22,8 @@ from torch.utils.checkpoint import checkpoint
 from heads.frozen import TargetWeights
 from heads.vocab import DraftVocab
 
+EMBED_HALF = ("zero", "copy")  # head.layer_init_embed: how init_layer_from_target fills q/k/v's embedding half
+
 
 @dataclass
 class Eagle3Config:
@@ -283,6 +285,8 @@ class Eagle3Head(DraftVocab):
         enters attention as if it were part of the residual stream.
         Returns the target's tensors the head has no place for (Qwen2's q/k/v biases, Qwen3's q/k norms):
         they are not copied."""
+        if embed_half not in EMBED_HALF:
+            raise ValueError(f"head.layer_init_embed must be {' or '.join(EMBED_HALF)}, got {embed_half!r}")
         H, attn, mlp = self.config.hidden_size, self.midlayer.self_attn, self.midlayer.mlp
         into = {"input_layernorm.weight": self.midlayer.hidden_norm.weight,
                 "post_attention_layernorm.weight": self.midlayer.post_attention_layernorm.weight,
@@ -297,8 +301,6 @@ class Eagle3Head(DraftVocab):
                              f"target vs head shapes {wrong}); leave the head's layer sizes at null (the target's)")
         for name, param in into.items():
             param.copy_(layer[name])
-        if embed_half not in ("zero", "copy"):
-            raise ValueError(f"head.layer_init_embed must be zero or copy, got {embed_half!r}")
         if embed_half == "copy":
             self.midlayer.input_layernorm.weight.copy_(layer["input_layernorm.weight"])
         for p in "qkv":

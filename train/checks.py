@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.engines import BACKENDS
 from eval.drafters import METHODS
+from heads.eagle3 import EMBED_HALF
 from train.errors import ConfigError
 from train.export import FORMATS
 from train.losses import OBJECTIVES
@@ -41,6 +42,7 @@ ENUMS = {
     "model.template": ("llama3", "chatml"),
     "head.type": ("eagle3", "medusa"),
     "head.fc_init": ("random", "last_tap"),
+    "head.layer_init_embed": EMBED_HALF,
     "head.loss": lambda cfg: (*OBJECTIVES, "ce") if cfg.head.type == "medusa" else OBJECTIVES,
     "data.overflow": ("truncate", "drop"),
     "data.on_error": ("raise", "skip"),

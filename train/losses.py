@@ -187,9 +187,9 @@ def eagle3_loss(head: Eagle3Head, taps: torch.Tensor, input_ids: torch.Tensor, l
         hidden = head(hidden, shift(input_ids, 1 + k), pos + k, cache)
         log_q = torch.log_softmax(head.logits(hidden).float(), -1)
         w = weights(view, lengths, loss_mask, k, positions) * reach
+        c = counted(lengths, loss_mask, k, positions).float()
         loss_k = objective(loss, log_q, shift(view.log_p, 1 + k), w)
         if feature_loss:
-            c = counted(lengths, loss_mask, k, positions).float()
             err = feature_error(head.norm(hidden), shift(last, 1 + k))
             loss_k = loss_k + feature_loss * (err * c).sum() / c.sum().clamp(min=1.0)
         if reach_topk and k + 1 < steps:   # the last step's reach would mask nothing
@@ -197,7 +197,7 @@ def eagle3_loss(head: Eagle3Head, taps: torch.Tensor, input_ids: torch.Tensor, l
         total = total + decay**k * loss_k
         losses.append(loss_k.item())
         correct.append(hits(log_q, view, k))
-        ws.append(counted(lengths, loss_mask, k, positions).float())
+        ws.append(c)
     return StepStats(total, losses, correct, ws)
 
 
