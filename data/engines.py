@@ -36,7 +36,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.captured import CaptureWriter, keeps_states
 from data.formats import DataError, prompt_key
-from data.regenerate import _answered, cache_line, eos_ids, pending, read_cache, regenerate
+from data.regenerate import (
+    _answered,
+    cache_line,
+    cut_at_length,
+    eos_ids,
+    finished,
+    pending,
+    read_cache,
+    regenerate,
+)
 from data.template import prompt_ids, with_system
 from train import dist
 from train.log import log, progress
@@ -66,11 +75,14 @@ def regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
         from train.target import load_target, regen_dtype
 
         if not shares_work(cfg, "data"):  # one process (or rank 0 alone): exactly as before
+            fold_parts(path)
             target = load_target(cfg, dtype=regen_dtype(cfg))
-            stats = regenerate(convs, target, tokenizer, rcfg, system_prompt, path, capture_writer(cfg))
+            stats = regenerate(convs, target, tokenizer, rcfg, system_prompt, path, capture_writer(cfg),
+                               cfg.data.max_length)
         else:
             stats = regenerate_sharded(cfg, convs, tokenizer, path)
         return None if stats is None else {"backend": "hf", "world_size": dist.world_size(), **stats}
+    fold_parts(path)
     eos = eos_ids(tokenizer, _generation_config(cfg))
     if backend == "openai":
         if not rcfg.get("url"):
@@ -78,13 +90,13 @@ def regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
                              "server, e.g. data.regen.url=http://host:8000/v1")
         client = OpenAIClient(rcfg.url, rcfg.get("model"), rcfg.timeout_s, rcfg.retries)
         return {"backend": "openai", "url": rcfg.url,
-                **regenerate_openai(convs, tokenizer, rcfg, system_prompt, path, client, eos)}
+                **regenerate_openai(convs, tokenizer, rcfg, system_prompt, path, client, eos, cfg.data.max_length)}
     from train.stages import stage_dir
 
     log_file = stage_dir(cfg, "data") / "vllm_server.log"
     with VLLMServer(cfg, log_file) as server:
         client = OpenAIClient(server.url, SERVED_NAME, rcfg.timeout_s, rcfg.retries)
-        stats = regenerate_openai(convs, tokenizer, rcfg, system_prompt, path, client, eos)
+        stats = regenerate_openai(convs, tokenizer, rcfg, system_prompt, path, client, eos, cfg.data.max_length)
     return {"backend": "vllm", "server_log": str(log_file), **stats}
 
 
@@ -134,17 +146,44 @@ def shares(convs: list[dict], system_prompt: str | None, world: int) -> list[lis
     return out
 
 
+def fold_parts(path: Path) -> int:
+    """Merge the part files an interrupted sharded run left next to the cache ``path`` (any rank count) into it
+    and delete them: a rerun on another number of ranks, in one process or with another backend resumes from
+    every answer already written. A key already complete in the cache keeps its line. Returns the lines added."""
+    parts = sorted(path.parent.glob(f"{path.stem}.rank*of*.jsonl"))
+    if not parts:
+        return 0
+    cached, added = read_cache(path), 0
+    with open(path, "a", encoding="utf-8") as f:
+        for part in parts:
+            for key, row in read_cache(part).items():
+                if not cached.get(key, {}).get("complete"):
+                    f.write(cache_line(row))
+                    cached[key], added = row, added + 1
+        f.flush()
+        os.fsync(f.fileno())
+    for part in parts:
+        for leftover in (part, part.with_suffix(".done"), part.with_suffix(".failed")):
+            leftover.unlink(missing_ok=True)
+    log(f"[data] merged {added} answers of an interrupted run from {len(parts)} part file(s) into {path}")
+    return added
+
+
 def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path, poll_s: float = 2.0) -> dict | None:
     """``hf`` regeneration split across the ranks; rank 0 merges the parts into ``path`` (see module doc)."""
     from train.target import load_target, regen_dtype
 
     rank, world, system_prompt = dist.rank(), dist.world_size(), cfg.data.system_prompt
     rcfg = cfg.data.regen
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fold_parts(path)
+    dist.barrier()  # every rank reads the cache with what the parts held
     cached = read_cache(path)
 
     def todo(share: list[dict]) -> list[dict]:
-        return [c for c in share if not cached.get(prompt_key(with_system(c["messages"], system_prompt)),
-                                                   {}).get("complete")]
+        return [c for c in share if not finished(cached.get(prompt_key(with_system(c["messages"], system_prompt))),
+                                                 cfg.data.max_length)]
 
     mine = todo(shares(convs, system_prompt, world)[rank])
     part, done, failed = part_files(path, rank, world)
@@ -156,7 +195,8 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
         if mine:
             log(f"[data] rank {rank}/{world}: regenerating its share of {len(mine)} conversations into {part}")
             target = load_target(cfg, dtype=regen_dtype(cfg))
-            stats = regenerate(mine, target, tokenizer, rcfg, system_prompt, part, capture_writer(cfg))
+            stats = regenerate(mine, target, tokenizer, rcfg, system_prompt, part, capture_writer(cfg),
+                               cfg.data.max_length)
         else:
             stats = {"cached": 0, "generated": 0, "new_tokens": 0, "seconds": 0.0}
     except BaseException as e:
@@ -191,7 +231,7 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
             rows = read_cache(r_part)
             for c in per_rank[r]:
                 key = prompt_key(with_system(c["messages"], system_prompt))
-                if not rows.get(key, {}).get("complete"):
+                if not finished(rows.get(key), cfg.data.max_length):
                     raise RegenError(f"rank {r} reported its share done but {r_part} lacks conversation {key}")
                 f.write(json.dumps(rows[key]) + "\n")
         f.flush()
@@ -292,15 +332,16 @@ class OpenAIClient:
 
 
 def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | None, path: Path,
-                      client: OpenAIClient, eos: set[int]) -> dict:
+                      client: OpenAIClient, eos: set[int], max_length: int | None = None) -> dict:
     """Fill ``path`` like :func:`data.regenerate.regenerate`, through an OpenAI-compatible server.
 
     ``data.regen.concurrency`` conversations are in flight at once; each runs its user turns in order (its
     own earlier answers in the context). Every finished turn is appended and fsync'ed at once. On the first
     error no new conversation starts, the ones in flight finish (or fail) and the error is raised: what was
-    written stays, and a rerun resumes from it.
+    written stays, and a rerun resumes from it. A conversation whose next prompt reaches ``max_length`` tokens
+    ends there (:func:`data.regenerate.cut_at_length`), before the server is asked.
     """
-    state, stats = pending(convs, system_prompt, path)
+    state, stats = pending(convs, system_prompt, path, max_length)
     if not state:
         return stats
     client.resolve_model()  # an unreachable server fails here, before any work
@@ -317,6 +358,11 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
                 return
             with lock:
                 ids = prompt_ids(tokenizer, row["messages"] + [row["users"][turn]])
+                if cut_at_length(row, ids, max_length):
+                    f.write(cache_line(row))
+                    f.flush()
+                    bar.update(len(row["users"]) - turn)
+                    return
             choice = client.complete(ids, rcfg, eos)
             hit_eos = choice.get("finish_reason") == "stop"
             with lock:
@@ -402,6 +448,7 @@ class VLLMServer:
 
         self.vcfg = cfg.data.regen.vllm
         self.target = target_path(cfg)
+        self.revision = cfg.model.get("revision") if cfg.model.source == "hf" else None
         self.seed = int(cfg.data.regen.seed)
         self.log_file = Path(log_file)
         self.host = self.vcfg.host
@@ -429,6 +476,8 @@ class VLLMServer:
                 "--dtype", dtype, "--seed", str(self.seed), "--generation-config", "vllm"]
         if self.vcfg.max_model_len:
             cmd += ["--max-model-len", str(self.vcfg.max_model_len)]
+        if self.revision:  # the pinned revision the tokenizer, extract and eval load
+            cmd += ["--revision", str(self.revision), "--tokenizer-revision", str(self.revision)]
         return cmd + [str(a) for a in self.vcfg.args]
 
     def environment(self) -> dict:

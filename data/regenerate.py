@@ -188,7 +188,18 @@ def read_cache(path: Path) -> dict[str, dict]:
     return done
 
 
-def pending(convs: list[dict], system_prompt: str | None, path: Path) -> tuple[dict[str, dict], dict]:
+def finished(row: dict | None, max_length: int | None) -> bool:
+    """A cached conversation needs no more answers: every user turn answered, or it was cut where its next
+    prompt reached ``cut_at_length`` tokens (the ``data.max_length`` of the run that cut it, beyond which the
+    data stage drops every token anyway) and this run's ``max_length`` is no larger (a larger one continues it)."""
+    if not row or not row.get("complete"):
+        return False
+    cut = row.get("cut_at_length")
+    return cut is None or max_length is None or max_length <= cut
+
+
+def pending(convs: list[dict], system_prompt: str | None, path: Path,
+            max_length: int | None = None) -> tuple[dict[str, dict], dict]:
     """Conversations of ``convs`` still to (finish to) regenerate, keyed by prompt key, and the stats so far.
 
     Compacts ``path`` first (one line per key, a torn last line dropped) so that appending is safe. Each
@@ -203,11 +214,13 @@ def pending(convs: list[dict], system_prompt: str | None, path: Path) -> tuple[d
     for c in convs:
         messages = with_system(c["messages"], system_prompt)
         key = prompt_key(messages)
-        if key in state or done.get(key, {}).get("complete"):
+        if key in state or finished(done.get(key), max_length):
             continue
         row = done.get(key) or {"key": key, "messages": [m for m in messages if m["role"] == "system"],
                                 "new_tokens": 0, "truncated": False, "complete": False}
+        row.pop("cut_at_length", None)
         row["users"] = [m for m in messages if m["role"] == "user"]
+        row["complete"] = False
         state[key] = row
     stats = {"cached": len({prompt_key(with_system(c["messages"], system_prompt)) for c in convs}) - len(state),
              "generated": len(state), "new_tokens": 0, "seconds": 0.0}
@@ -226,7 +239,7 @@ def eos_ids(tokenizer, generation_config) -> set[int]:
 
 
 def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | None, path: Path,
-               capture: CaptureWriter | None = None) -> dict:
+               capture: CaptureWriter | None = None, max_length: int | None = None) -> dict:
     """Fill ``path`` with regenerated conversations for every conversation of ``convs``; returns stats.
 
     The conversations' next turns go through :func:`stream` shortest prompt first, ``rcfg.batch_size`` at
@@ -235,9 +248,10 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
     ``batch_size`` finished answers the touched conversations are appended to ``path`` (a later line of
     the same key supersedes an earlier one; ``complete`` marks finished ones). With ``capture``
     (extract.source=regen), the hidden states of each conversation's last turn -- prompt, answer and the
-    template's end of turn -- are written there first (:mod:`data.captured`).
+    template's end of turn -- are written there first (:mod:`data.captured`). A conversation whose next prompt
+    reaches ``max_length`` (``data.max_length``) tokens ends there (:func:`cut_at_length`).
     """
-    state, stats = pending(convs, system_prompt, path)
+    state, stats = pending(convs, system_prompt, path, max_length)
     if not state:
         return stats
     eos = eos_ids(tokenizer, model.generation_config)
@@ -251,9 +265,9 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
     bar = progress(total=total_turns, desc="regenerate", unit="answer")
     start = time.time()
     prompts = {key: _next_prompt(tokenizer, r) for key, r in state.items()}  # key -> its next turn's prompt ids
-    queue = deque(sorted(prompts.items(), key=lambda item: len(item[1])))
+    lines = [cache_line(state[key]) for key in prompts if cut_at_length(state[key], prompts[key], max_length)]
+    queue = deque(sorted(((k, p) for k, p in prompts.items() if not state[k]["complete"]), key=lambda item: len(item[1])))
     fulls: dict[str, list[int]] = {}  # key -> the rendered conversation's ids (captured rows)
-    lines: list[str] = []
     captured: list[tuple[str, Answer]] = []
 
     def flush() -> None:
@@ -270,12 +284,13 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
                 r["new_tokens"] += len(a.tokens)
                 r["complete"] = _answered(r) == len(r["users"])
                 stats["new_tokens"] += len(a.tokens)
-                lines.append(cache_line(r))
                 if a.states is not None:
                     captured.append((key, a))
                 if not r["complete"]:  # its next turn joins the queue at once
                     prompts[key] = _next_prompt(tokenizer, r)
-                    queue.append((key, prompts[key]))
+                    if not cut_at_length(r, prompts[key], max_length):
+                        queue.append((key, prompts[key]))
+                lines.append(cache_line(r))
             if len(lines) >= rcfg.batch_size:
                 flush()
             bar.update(len(finished))
@@ -321,6 +336,16 @@ def _flush(f, lines: list[str], capture: CaptureWriter | None, captured: list[tu
     os.fsync(f.fileno())
     lines.clear()
     captured.clear()
+
+
+def cut_at_length(row: dict, prompt: list[int], max_length: int | None) -> bool:
+    """End conversation ``row`` here (complete, ``cut_at_length`` noted) when its next ``prompt`` already fills
+    ``max_length`` tokens: the data stage would drop every answer token past it, and a server would refuse a
+    prompt beyond its context. True when cut."""
+    if max_length is None or len(prompt) < max_length:
+        return False
+    row["complete"], row["cut_at_length"] = True, max_length
+    return True
 
 
 def _next_prompt(tokenizer, r: dict) -> list[int]:

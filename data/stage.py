@@ -67,19 +67,25 @@ def seeded_order(convs: list[dict], tag: str) -> list[dict]:
     return sorted(convs, key=lambda c: random.Random(f"{tag}-{c['id']}").random())
 
 
+def validation_count(n: int, fraction: float, max_rows: int | None) -> int:
+    """How many of ``n`` rows without a split of their own are held out: round(fraction x n), at least 1 when
+    fraction > 0 and n >= 2, at most ``max_rows``."""
+    n_val = max(1, round(fraction * n)) if fraction > 0 and n >= 2 else 0
+    return min(n_val, max_rows) if max_rows is not None else n_val
+
+
 def assign_splits(convs: list[dict], fraction: float, seed: int, max_rows: int | None = None) -> None:
     """Rows with a split of their own keep it. Of the rows without one, ``data.validation_fraction``
-    (default 5%) go to validation: round(fraction x n) rows, at least 1 when fraction > 0 and n >= 2, at most
-    ``max_rows`` (``data.validation_max_rows``), the first by a seeded hash of their id (a row's split does not
-    depend on the order of its file; a smaller cap keeps a subset of a larger one's rows)."""
+    (default 5%) go to validation (:func:`validation_count`; ``max_rows``: ``data.validation_max_rows``), the
+    first by a seeded hash of their id (a row's split does not depend on the order of its file; a smaller cap
+    keeps a subset of a larger one's rows)."""
     free = []
     for conv in convs:
         if conv["split"] is None:
             free.append(conv)
         elif conv["split"] not in SPLITS:
             raise DataError(f"row {conv['id']}: split must be train or validation, got {conv['split']!r}")
-    n_val = max(1, round(fraction * len(free))) if fraction > 0 and len(free) >= 2 else 0
-    n_val = min(n_val, max_rows) if max_rows is not None else n_val
+    n_val = validation_count(len(free), fraction, max_rows)
     for i, conv in enumerate(seeded_order(free, str(seed))):
         conv["split"] = "validation" if i < n_val else "train"
 
@@ -133,6 +139,7 @@ def run(cfg: DictConfig) -> dict:
             row = cached[prompt_key(with_system(conv["messages"], dcfg.system_prompt))]
             conv["messages"] = row["messages"]
             counts["answers_truncated"] += int(row["truncated"])
+            counts["conversations_cut_at_max_length"] += int("cut_at_length" in row)
     else:
         for conv in convs:
             conv["messages"] = with_system(conv["messages"], dcfg.system_prompt)
@@ -191,7 +198,8 @@ def run(cfg: DictConfig) -> dict:
         "train_rows_left_out": train_rows_left_out,  # data.train_rows
         "rows_kept": {s: len(rows[s]) for s in SPLITS},
         "dropped": {k: v for k, v in counts.items() if k.startswith("dropped") or k in ("bad_row", "malformed_json")},
-        "modified": {k: v for k, v in counts.items() if k in ("truncated_to_max_length", "answers_truncated")},
+        "modified": {k: v for k, v in counts.items() if k in ("truncated_to_max_length", "answers_truncated",
+                                                              "conversations_cut_at_max_length")},
         "tokens": {s: int(tally[s][1].sum()) for s in SPLITS},
         "masked_tokens": {s: int(tally[s][0].sum()) for s in SPLITS},
         "validation_coverage_by_size": coverage_curve(tally["train"][0], held_out, tally["train"][1]),

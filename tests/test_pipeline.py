@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import ROOT, LoggedRun, child_env, make_cfg
 from train.extract import Captures, ExtractError
-from train.stages import run_stages, stage_dir
+from train.stages import fingerprint, read_marker, run_stages, stage_dir
 from train.target import load_target
 
 BASE = ["model=tiny-llama", "head.draft_vocab_size=64", "data.sources=[{type:builtin,limit:24}]",
@@ -285,6 +285,19 @@ def test_two_ranks_train_like_one(prepared, tmp_path):
     torch.testing.assert_close(load_file(str(stage_dir(one, "train") / "head/model.safetensors")),
                                load_file(str(stage_dir(two, "train") / "head/model.safetensors")),
                                rtol=1e-4, atol=1e-5)
+    # each rank validated its share of the rows; the figures are those of all of them, as one process scores them
+    from heads.io import load_head
+    from train.extract import capture_layers
+    from train.loop import load_data, validate
+    from train.target import load_weights
+
+    weights = load_weights(two, torch.float32)
+    head = load_head(stage_dir(two, "train") / "head", weights)
+    data = load_data(two, None, capture_layers(two, weights.config), torch.device("cpu"), 1)
+    alone = validate(head, "eagle3", two, data.val, data.val_rows, weights.lm_head[head.draft_ids()], 2048)
+    shared = json.loads((stage_dir(two, "train") / "head/metrics.json").read_text())
+    assert alone["rows"] == len(data.val_rows) > 1 and shared["positions"] == alone["positions"] > 0
+    assert {k: shared[k] for k in alone} == pytest.approx(alone, abs=1e-6)
 
 
 @pytest.mark.slow
@@ -345,6 +358,24 @@ def test_extract_redoes_shards_of_other_settings(prepared, tmp_path):
     captures = Captures(stage_dir(cfg, "extract"))
     hidden, argmax = captures.get("train", 0)
     assert hidden.dtype == torch.bfloat16 and argmax.dtype == torch.int32
+
+
+def test_extract_keeps_its_shards_when_only_how_it_runs_changes(prepared, tmp_path, monkeypatch):
+    """After an out-of-memory error a user halves extract.batch_tokens (or turns ZeRO-3 on): the shards already
+    written hold the same states and are kept, not recomputed; shards of an earlier plan are deleted."""
+    import train.extract
+
+    cfg = fresh_run(prepared, tmp_path, stages=("data", "extract"))
+    out = stage_dir(cfg, "extract")
+    files = {f.name: f.stat().st_mtime_ns for f in out.glob("*.safetensors")}
+    (out / "train-09999.safetensors").write_bytes(b"left by another shard_mb")
+    passes = []
+    monkeypatch.setattr(train.extract, "capture", lambda *a, **k: passes.append(1))
+    smaller = make_cfg([*BASE, f"output_root={tmp_path}", "stages=[extract]", "extract.batch_tokens=512",
+                        "extract.source=pass", "extract.reuse=false"])
+    run_stages(smaller)
+    assert read_marker(smaller, "extract")["fingerprint"] != fingerprint(cfg, "extract")   # the stage did rerun
+    assert passes == [] and {f.name: f.stat().st_mtime_ns for f in out.glob("*.safetensors")} == files
 
 
 def test_time_budget_fits_the_schedule_and_stops(prepared, tmp_path):

@@ -62,6 +62,22 @@ def test_plan_figures_follow_the_config(cfg_factory):
     assert "DISK TOO SMALL" in planner.format_plan(huge)
 
 
+def test_plan_holds_out_the_validation_rows_the_data_stage_will(cfg_factory):
+    """Before the data stage, the plan's validation tokens are the rows ``data.stage.assign_splits`` holds out
+    (rounded, at least one, capped) at ``planner.avg_row_tokens`` each."""
+    from data.stage import assign_splits
+
+    for rows, fraction, cap in ((10, 0.05, None), (500_000, 0.05, 1000), (1000, 0.1, None)):
+        cfg = cfg_factory("model=qwen2.5-7b", f"planner.rows={rows}", f"data.validation_fraction={fraction}",
+                          f"data.validation_max_rows={'null' if cap is None else cap}")
+        convs = [{"id": str(i), "split": None} for i in range(rows)]
+        assign_splits(convs, fraction, 0, cap)
+        held = sum(c["split"] == "validation" for c in convs)
+        tokens, _ = planner.data_tokens(cfg)
+        per_row = min(cfg.planner.avg_row_tokens, cfg.data.max_length)
+        assert tokens == {"train": (rows - held) * per_row, "validation": held * per_row}
+
+
 def test_check_train_memory_refuses_when_short(cfg_factory, monkeypatch):
     cfg = cfg_factory("model=qwen2.5-7b", "device=cpu")
     free = {"bytes": GiB}

@@ -6,6 +6,7 @@ Also: the GPU-scale defaults of the real presets, and the checks that refuse sil
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,3 +102,36 @@ def test_zero3_head_training_is_refused(tmp_path):
     cfg = make_cfg(["model=tiny-llama", "train.zero_stage=3", f"output_root={tmp_path}"])
     with pytest.raises(ValueError, match="zero_stage=3 is not supported"):
         run(cfg)
+
+
+def test_a_hub_targets_identity_does_not_change_when_its_weights_arrive(tmp_path, monkeypatch):
+    """A Hub target's regeneration cache is keyed before its weights are downloaded (config and tokenizer
+    only) and looked up again after: the identity of a Hub snapshot is its repository, commit and config, so
+    a rerun finds the answers of the crashed run. A local folder is identified by its files, weights included."""
+    import shutil
+
+    import transformers.utils
+
+    from train.target import target_fingerprint, target_path
+
+    tiny = Path(target_path(make_cfg(["model=tiny-llama"])))
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for f in tiny.iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, snapshot / f.name)
+    monkeypatch.setattr(transformers.utils, "cached_file", lambda repo, name, **kw: str(Path(repo) / name))
+    cfg = make_cfg(["model=qwen2.5-7b", f"model.path={snapshot}"])
+    before = target_fingerprint(cfg)
+    for f in tiny.glob("*.safetensors"):   # the weights arrive
+        shutil.copy(f, snapshot / f.name)
+    assert target_fingerprint(cfg) == before
+    other = snapshot.parent / "4567ef01"   # another commit of the repository
+    shutil.copytree(snapshot, other)
+    assert target_fingerprint(make_cfg(["model=qwen2.5-7b", f"model.path={other}"])) != before
+    local = tmp_path / "local"   # a plain folder: its weight files count
+    shutil.copytree(snapshot, local)
+    first = target_fingerprint(make_cfg(["model=qwen2.5-7b", f"model.path={local}"]))
+    for f in local.glob("*.safetensors"):
+        f.unlink()
+    assert target_fingerprint(make_cfg(["model=qwen2.5-7b", f"model.path={local}"])) != first

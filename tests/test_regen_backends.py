@@ -195,6 +195,37 @@ def test_data_stage_with_openai_backend_equals_hf(tiny, tmp_path):
     assert stats["backend"] == "openai" and stats["generated"] == 6
 
 
+def test_a_conversation_ends_where_its_prompt_fills_max_length(tiny, reference, tmp_path):
+    """A later turn whose prompt (the earlier turns and answers) already fills data.max_length is not asked: the
+    data stage would drop all of it, and a server would refuse a prompt beyond its context (a 400 that stopped the
+    whole run). Both backends cut the same conversations; a run with a larger max_length continues them."""
+    model, tok, rcfg, eos = tiny
+    limit = len(prompt_ids(tok, CONVS[0]["messages"][:1])) + 4   # every first prompt fits, no second one
+    hf, oa = tmp_path / "hf.jsonl", tmp_path / "oa.jsonl"
+    regenerate(CONVS, model, tok, rcfg, None, hf, max_length=limit)
+    stub = stub_for(tiny)
+    try:
+        regenerate_openai(CONVS, tok, rcfg, None, oa, OpenAIClient(stub.url, None, 30, 0), eos, limit)
+    finally:
+        stub.close()
+    cut = read_cache(hf)
+    assert cut == read_cache(oa) and len(stub.requests) == len(CONVS)   # no second turn was sent
+    two_turns = {k for k, r in reference.items() if sum(m["role"] == "assistant" for m in r["messages"]) == 2}
+    assert len(two_turns) == 3 and {k for k, r in cut.items() if r.get("cut_at_length") == limit} == two_turns
+    assert all(r["complete"] and sum(m["role"] == "assistant" for m in r["messages"]) == 1 for r in cut.values())
+    assert regenerate(CONVS, model, tok, rcfg, None, hf, max_length=limit)["generated"] == 0   # resumed: done
+    assert regenerate(CONVS, model, tok, rcfg, None, hf, max_length=4096)["generated"] == 3    # continued
+    assert read_cache(hf) == reference
+
+
+def test_vllm_server_serves_the_pinned_revision(tmp_path):
+    """model.revision pins the tokenizer, extract and eval; the vLLM server loads the same commit, not main."""
+    base = ["model=qwen2.5-7b", "data.regen.backend=vllm", "data.regen.vllm.python=/some/python"]
+    cmd = VLLMServer(make_cfg([*base, "model.revision=0123abc"]), tmp_path / "log").command()
+    assert cmd[cmd.index("--revision") + 1] == cmd[cmd.index("--tokenizer-revision") + 1] == "0123abc"
+    assert "--revision" not in VLLMServer(make_cfg(base), tmp_path / "log").command()
+
+
 def test_vllm_backend_names_a_bad_interpreter(tmp_path):
     cfg = make_cfg(["model=tiny-llama", f"output_root={tmp_path}", "data.regen.backend=vllm",
                     "data.regen.vllm.python=/nonexistent/bin/python"])
@@ -310,3 +341,26 @@ def test_vllm_backend_that_cannot_start_names_its_log(vllm_env, tmp_path):
                                          r"last lines:.*no-such-flag"):
         with VLLMServer(cfg, tmp_path / "vllm_server.log"):
             pass
+
+
+def test_a_rerun_on_another_rank_count_keeps_the_answers_of_the_interrupted_ranks(tmp_path):
+    """Rank 1 of an 8-rank run wrote its part file, then the job died; the rerun in one process (or on 4 ranks,
+    or through vLLM) regenerates only what no rank had answered: the parts are merged into the cache first."""
+    from train.stages import run_stages, stage_dir
+
+    overrides = RANKS[1:] + [f"output_root={tmp_path}", f"data.regen.dir={tmp_path / 'regen'}"]
+    cfg = make_cfg(overrides)
+    run_stages(cfg)
+    first = json.loads((stage_dir(cfg, "data") / "stats.json").read_text())["regeneration"]
+    path = Path(first["file"])
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[: len(lines) // 2]) + "\n")   # the cache of the first half ...
+    part = path.parent / f"{path.stem}.rank1of8.jsonl"   # ... the rest in one rank's part of the dead run
+    part.write_text("\n".join(lines[len(lines) // 2:]) + "\n")
+    (part.parent / f"{path.stem}.rank1of8.done").write_text("{}")
+    cfg.force = ["data"]
+    run_stages(cfg)
+    again = json.loads((stage_dir(cfg, "data") / "stats.json").read_text())["regeneration"]
+    assert again["generated"] == 0 and again["cached"] == first["generated"] > 1
+    assert read_cache(path).keys() == {json.loads(line)["key"] for line in lines}
+    assert not list(path.parent.glob(f"{path.stem}.rank*"))

@@ -80,6 +80,20 @@ def test_a_data_run_made_before_train_rows_stays_valid(tmp_path):
     assert "train_rows" not in before.data and fingerprint(before, "data") == fingerprint(cfg, "data")
 
 
+def test_a_train_run_made_before_the_optimizer_keys_stays_valid(tmp_path):
+    """train.optimizer=adamw and train.muon_lr (added later) at their defaults leave the train stage's
+    fingerprint and its checkpoints' identity as they were: an upgrade reruns nothing."""
+    cfg = make_cfg(BASE, tmp_path)
+    before = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "train"])
+    before.train = OmegaConf.masked_copy(cfg.train, [k for k in cfg.train if k not in ("optimizer", "muon_lr")])
+    assert fingerprint(before, "train") == fingerprint(cfg, "train")
+    identity = train.loop.checkpoint_identity(before)
+    assert train.loop.checkpoint_changes({"identity": identity}, train.loop.checkpoint_identity(cfg)) == []
+    muon = make_cfg([*BASE, "train.optimizer=muon"], tmp_path)
+    assert train.loop.checkpoint_changes({"identity": identity}, train.loop.checkpoint_identity(muon)) == [
+        "train.optimizer"]
+
+
 def test_an_identical_upstream_rerun_keeps_downstream(prepared, tmp_path):
     """force=[data] rewrites the same rows: extract and train stay up to date (upstream OUTPUT identity)."""
     cfg = fresh_run(prepared, tmp_path, "stages=[data,extract,train]", "train.max_steps=2")
@@ -135,6 +149,49 @@ def test_changed_result_key_refuses_and_force_starts_over(prepared, tmp_path, mo
     run_stages(changed)  # nothing changed: force=[train] still trains again from step 0 (it once resumed at the end)
     assert [m["step"] for m in train_metrics(changed)][-6:] == list(range(1, 7))
     assert sum("starting over" in line for line in lines) == 2
+
+
+def test_checkpoints_of_another_rank_count_are_refused_and_kept(prepared, tmp_path):
+    """A run checkpointed on 2 ranks and restarted on 1 (or 8 on 4): the data order and the optimizer's shards
+    follow the rank count, so the checkpoints are refused with the two ways out, and nothing is deleted."""
+    cfg = fresh_run(prepared, tmp_path, "stages=[train]")
+    run_stages(cfg)
+    ckpt = stage_dir(cfg, "train") / "checkpoints"
+    meta = ckpt / (ckpt / "latest").read_text().strip() / "client.json"
+    assert json.loads(meta.read_text())["world"] == 1
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "world": 2}))   # as if made on 2 ranks
+    (stage_dir(cfg, "train") / stages.MARKER).unlink()
+    tags = sorted(p.name for p in ckpt.iterdir())
+    with pytest.raises(train.loop.CheckpointMismatchError, match=r"made on 2 ranks and this run has 1.*--num_gpus 2.*"
+                                                                r"force=\[train\]"):
+        run_stages(cfg)
+    assert sorted(p.name for p in ckpt.iterdir()) == tags
+
+
+def test_latest_names_a_checkpoint_only_once_every_rank_has_written_it(prepared, tmp_path, monkeypatch):
+    """A crash while a checkpoint is being written (another rank still writing its optimizer shard) leaves
+    `latest` on the previous, complete one: the run resumes from it."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    real, calls = DeepSpeedEngine.save_checkpoint, []
+
+    def crash_after_the_second(self, save_dir, tag=None, **kwargs):
+        calls.append(tag)
+        real(self, save_dir, tag=tag, **kwargs)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed before the other ranks finished writing")
+
+    monkeypatch.setattr(DeepSpeedEngine, "save_checkpoint", crash_after_the_second)
+    cfg = fresh_run(prepared, tmp_path, "stages=[train]")
+    with pytest.raises(KeyboardInterrupt):
+        run_stages(cfg)
+    ckpt = stage_dir(cfg, "train") / "checkpoints"
+    assert calls == ["step0000003", "step0000006"]
+    assert (ckpt / "latest").read_text().strip() == "step0000003"
+    monkeypatch.setattr(DeepSpeedEngine, "save_checkpoint", real)
+    lines = logged(monkeypatch)
+    run_stages(cfg)
+    assert any("resumed from step0000003" in line for line in lines)
 
 
 def test_bookkeeping_keys_skip_or_resume(prepared, tmp_path, monkeypatch):
@@ -342,3 +399,15 @@ def test_warmup_never_outlasts_a_short_run():
     ratios = [train.loop.lr_lambda(s, warmup, 20, 0.1) for s in range(20)]
     assert max(ratios) == pytest.approx(1.0) and ratios[-1] < 0.2
     assert max(train.loop.lr_lambda(s, 200, 20, 0.1) for s in range(20)) <= 0.1   # what the configured 200 gave
+
+
+def test_validation_rows_are_dealt_among_the_ranks_once_each_with_balanced_tokens():
+    """8 ranks score 1000 validation rows between them (train=full's validation_max_rows): each row on exactly
+    one rank, the ranks' tokens within one row's length of each other, so none waits on a long tail."""
+    lengths = torch.randint(20, 2048, (1500,), generator=torch.Generator().manual_seed(0)).tolist()
+    rows = list(range(0, 1500, 3)) + list(range(1, 1500, 3))[:500]
+    shares = [train.loop.validation_share(lengths, rows, r, 8) for r in range(8)]
+    assert sorted(r for share in shares for r in share) == sorted(rows)
+    tokens = [sum(lengths[r] for r in share) for share in shares]
+    assert max(tokens) - min(tokens) <= max(lengths[r] for r in rows)
+    assert train.loop.validation_share(lengths, rows[:3], 5, 8) == []   # more ranks than rows: some score none

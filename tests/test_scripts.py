@@ -277,9 +277,12 @@ def test_weight_decay_skips_norms_and_biases():
     assert free and all(n.endswith(".bias") for n in free)
 
 
-def test_the_trainers_engine_decays_matrices_only():
-    """The optimizer the train stage really steps (AdamW inside DeepSpeed's engine, ``train.loop.make_engine``)
-    keeps the groups: no decay on any norm weight or bias of either head."""
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_the_trainers_engine_decays_matrices_only(optimizer):
+    """The optimizer the train stage really steps (AdamW or Muon inside DeepSpeed's engine,
+    ``train.loop.make_engine``) keeps the groups: no decay on any norm weight or bias of either head. Muon
+    takes the hidden matrices at ``train.muon_lr`` and orthogonalises their updates; the lm_head(s) and the
+    1-D weights stay with AdamW at ``train.lr``."""
     import torch
 
     from heads import MedusaConfig, MedusaHead
@@ -288,7 +291,7 @@ def test_the_trainers_engine_decays_matrices_only():
     from train.loop import make_engine
     from train.target import load_target
 
-    cfg = make_cfg(["model=tiny-llama", "train.weight_decay=0.1"])
+    cfg = make_cfg(["model=tiny-llama", "train.weight_decay=0.1", f"train.optimizer={optimizer}"])
     target = load_target(cfg)
     dist.init(torch.device("cpu"), single=True)
     medusa = MedusaHead(MedusaConfig.from_target(target.config, HEAD_CFG, 100))
@@ -301,3 +304,22 @@ def test_the_trainers_engine_decays_matrices_only():
         free = {n for n, wd in decay.items() if wd == 0.0}
         assert free == {n for n in decay if "norm" in n or n.endswith(".bias")} and free, decay
         assert set(decay.values()) == {0.0, 0.1}
+        if optimizer == "adamw":
+            continue
+        lr = {names[id(p)]: g["lr"] for g in engine.optimizer.param_groups for p in g["params"]}
+        hidden = {n for n, p in head.named_parameters() if p.requires_grad and p.ndim == 2 and "lm_head" not in n}
+        assert hidden and {n for n, v in lr.items() if v == cfg.train.muon_lr} == hidden, lr
+        assert {lr[n] for n in lr.keys() - hidden} == {cfg.train.lr}
+        matrix = dict(head.named_parameters())[min(hidden)]
+        before = matrix.detach().clone()
+        (u, _), (v, _) = (torch.linalg.qr(torch.randn(n, min(matrix.shape))) for n in matrix.shape)
+        grad = u @ torch.diag(torch.logspace(3, 0, min(matrix.shape))) @ v.T   # singular values 1000 .. 1
+        matrix.grad = grad.clone()
+        for p in head.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        engine.optimizer.step()
+        update = (before * (1 - cfg.train.muon_lr * 0.1) - matrix.detach()).double()
+        half = min(update.shape) // 2   # the larger half of the singular values: Newton-Schulz's 5 steps flatten them
+        spread = [(s[0] / s[half]).item() for s in (torch.linalg.svdvals(t.double()) for t in (grad, update))]
+        assert spread[0] > 10 and spread[1] < 2.5, spread   # quintic NS: about [0.7, 1.2] x, not exactly 1

@@ -127,6 +127,11 @@ def padded(rows: list, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+# Extract keys that change how the states are computed, not what they are: a shard written under other values
+# is complete. They still count in the stage's fingerprint (the stage reruns, and finds its shards done).
+HOW = ("extract.batch_tokens", "extract.zero_stage", "extract.source", "extract.reuse")
+
+
 def _complete(path: Path, fp: str) -> bool:
     """A shard from this very configuration (an older one, from other settings, is redone)."""
     if not path.exists():
@@ -192,11 +197,15 @@ def run(cfg: DictConfig) -> dict:
     ds = load_dataset(cfg)
     lengths = {s: row_lengths(ds[s]) for s in SPLITS}
     shards = plan_shards(lengths, bytes_per_token, cfg.extract.shard_mb)
-    fp = fingerprint(cfg, "extract")
+    fp = fingerprint(cfg, "extract", ignore=HOW)
     todo = [s for s in shards if not _complete(out / s["file"], fp)]
     dataset_id = data_manifest["dataset_id"]
     ready = ReadyStates(cfg, ds, lengths, layers, data_manifest["target_fingerprint"], dataset_id)
-    check_disk(out, sum(s["tokens"] for s in todo) * (bytes_per_token + 4), cfg.extract.disk_margin)
+    if dist.is_main():  # shards of an earlier plan (another shard_mb, other rows) would never be overwritten
+        for f in set(out.glob("*.safetensors")) - {out / s["file"] for s in shards}:
+            f.unlink()
+    overwritten = sum((out / s["file"]).stat().st_size for s in todo if (out / s["file"]).exists())
+    check_disk(out, sum(s["tokens"] for s in todo) * (bytes_per_token + 4) - overwritten, cfg.extract.disk_margin)
 
     world, rank = dist.world_size(), dist.rank()
     mine = [s for i, s in enumerate(shards) if i % world == rank and s in todo]

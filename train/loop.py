@@ -241,11 +241,23 @@ def validation_rows(head, kind, cfg, batches: Batches, rows: list[int], draft_ro
     return [torch.cat(c) for c in zip(*correct, strict=True)], [torch.cat(w) for w in zip(*weight, strict=True)], walks
 
 
+def validation_share(lengths: list[int], rows: list[int], rank: int, world: int) -> list[int]:
+    """The validation rows rank ``rank`` of ``world`` scores: dealt longest first, so the ranks' tokens differ
+    by at most about one row."""
+    return sorted(sorted(rows, key=lambda r: -lengths[r])[rank::world])
+
+
 def validate(head, kind, cfg, batches: Batches, rows: list[int], draft_rows, max_tokens: int) -> dict[str, float]:
     """Per-step accuracy, simulated/chain tau and the chain decoder's tau at :func:`decode_k` (``decode_tau``)
-    on ``rows`` of the validation split (assistant tokens)."""
-    correct, weight, walks = validation_rows(head, kind, cfg, batches, rows, draft_rows, max_tokens)
-    return {**summarise(correct, weight), "decode_tau": decode_tau(walks.values()), "decode_k": decode_k(cfg)}
+    on ``rows`` of the validation split (assistant tokens). On N ranks each scores its
+    :func:`validation_share` and every rank gets the figures of all the rows (the same on every rank)."""
+    share = validation_share(row_lengths(batches.rows), rows, dist.rank(), dist.world_size())
+    correct, weight, walks = validation_rows(head, kind, cfg, batches, share, draft_rows, max_tokens)
+    parts = dist.all_gather_objects(([c.cpu() for c in correct], [w.cpu() > 0 for w in weight], walks))
+    correct, weight = ([torch.cat(t) for t in zip(*(p[i] for p in parts if p[i]), strict=True)] for i in (0, 1))
+    walks = {row: walk for p in parts for row, walk in p[2].items()}
+    return {**summarise(correct, weight), "decode_tau": decode_tau(walks.values()), "decode_k": decode_k(cfg),
+            "rows": len(walks), "positions": int(weight[0].sum())}
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float, segment: list | None = None) -> float:
@@ -446,14 +458,25 @@ def load_data(cfg: DictConfig, target, layers: list[int], device: torch.device, 
 
 def make_engine(head: torch.nn.Module, tcfg: DictConfig, dtype: torch.dtype,
                 lr_ratio: Callable[[int], float]) -> tuple[DeepSpeedEngine, torch.optim.lr_scheduler.LambdaLR]:
-    """The DeepSpeed engine over ``head``: AdamW with weight decay on matrices only (:func:`param_groups`),
-    learning rate ``train.lr`` x ``lr_ratio(step)``. Returns (engine, scheduler)."""
+    """The DeepSpeed engine over ``head``, weight decay on matrices only (:func:`param_groups`), learning rates
+    x ``lr_ratio(step)``. ``train.optimizer``: ``adamw`` (``train.lr``) or ``muon``, DeepSpeed's Muon
+    (``train.muon_lr``) on the hidden matrices with AdamW (``train.lr``) on the lm_head(s) and 1-D weights;
+    DeepSpeed tags them (2-D, no "embed"/"lm_head" in the name) and orthogonalises whole matrices under ZeRO
+    1/2 too. Returns (engine, scheduler)."""
     import deepspeed
 
-    optimizer = torch.optim.AdamW(param_groups(head, tcfg.weight_decay), lr=tcfg.lr, betas=(0.9, 0.95))
+    groups, config = param_groups(head, tcfg.weight_decay), deepspeed_config(tcfg, dtype)
+    if tcfg.optimizer == "muon":
+        config["optimizer"] = {"type": "muon", "params": {
+            "lr": tcfg.lr, "muon_lr": tcfg.muon_lr, "momentum": 0.95, "betas": [0.9, 0.95],
+            "weight_decay": tcfg.weight_decay, "torch_adam": True, "ns_method": "standard"}}
+        engine, _, _, scheduler = deepspeed.initialize(
+            model=head, model_parameters=groups, config=config,
+            lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_ratio))
+        return engine, scheduler
+    optimizer = torch.optim.AdamW(groups, lr=tcfg.lr, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_ratio)
-    engine, _, _, _ = deepspeed.initialize(model=head, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(tcfg, dtype))
+    engine, _, _, _ = deepspeed.initialize(model=head, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     return engine, scheduler
 
 
@@ -508,6 +531,8 @@ class Trainer:
         changed budget refits the schedule (:func:`refit_budget`); the leftovers of a crash before the first
         checkpoint are deleted."""
         cfg, state, ckpt_dir = self.cfg, self.state, self.ckpt_dir
+        if dist.is_main() and (self.out / "head.old").exists() and not (self.out / "head").exists():
+            (self.out / "head.old").rename(self.out / "head")   # a crash inside save_best: the previous best head
         latest = ckpt_dir / "latest"
         meta = ckpt_dir / latest.read_text().strip() / "client.json" if latest.exists() else None
         if meta is None or not meta.exists():
@@ -516,8 +541,15 @@ class Trainer:
                     log(f"[train] {ckpt_dir} holds no complete checkpoint; starting fresh")
                 _remove_checkpoints(ckpt_dir)
             return
-        changed = checkpoint_changes(json.loads(meta.read_text()), self.identity)
+        client = json.loads(meta.read_text())
+        changed = checkpoint_changes(client, self.identity)
         blocking = [k for k in changed if k not in RESUMABLE["train"]]
+        if client.get("world", self.world) != self.world and "train" not in cfg.force:
+            raise CheckpointMismatchError(
+                f"the training checkpoints in {ckpt_dir} were made on {client['world']} ranks and this run has "
+                f"{self.world}: the data order (micro-batches per step) and the optimizer's shards follow the rank "
+                f"count. Resume on {client['world']} ranks (deepspeed --num_gpus {client['world']}), or add "
+                "force=[train] to start over (the checkpoints are then deleted)")
         if "train" in cfg.force:
             log(f"[train] force=[train]: deleting {ckpt_dir} and starting over"
                 + (f" ({', '.join(blocking)} changed)" if blocking else ""))
@@ -548,7 +580,8 @@ class Trainer:
         log(f"[train] {self.kind}: {sum(p.numel() for p in self.model.parameters() if p.requires_grad) / 1e6:.2f}M "
             f"trainable parameters, {len(self.data.lengths)} rows, {sum(self.data.lengths)} tokens/epoch, "
             f"{self.data.steps_per_epoch} steps/epoch, {self.planned_steps} steps planned, "
-            f"world {self.world} x accumulation {tcfg.grad_accum}, device {self.device}, {self.dtype}")
+            f"world {self.world} x accumulation {tcfg.grad_accum}, device {self.device}, {self.dtype}; "
+            f"{len(self.data.val_rows)} validation rows, shared by the ranks")
         self.run_start = time.time()  # this process (throughputs)
         self.start = self.run_start - state.get("train_s", 0.0)  # the whole run: the budget counts earlier runs too
         self.side_s = 0.0  # time spent validating and checkpointing (excluded from the training throughput)
@@ -635,14 +668,14 @@ class Trainer:
         self.bar.set_postfix(loss=f"{record['train/loss']:.3f}", acc0=f"{metrics['acc_0']:.2f}", tok_s=f"{rate:.0f}")
 
     def evaluate(self, reason: str) -> None:
-        """Validate (the weights' average with ``train.ema``); rank 0's figures decide on every rank whether the
-        head is the best so far (then saved to ``<out>/head``) and count towards early stopping."""
+        """Validate (the weights' average with ``train.ema``; the rows shared among the ranks, :func:`validate`);
+        the figures, the same on every rank, decide whether the head is the best so far (then saved to
+        ``<out>/head``) and count towards early stopping."""
         t0 = time.time()
         state = self.state
         with self.average.swapped_in() if self.average else nullcontext():
             metrics = validate(self.model, self.kind, self.cfg, self.data.val, self.data.val_rows, self.draft_rows,
                                max(self.tcfg.micro_batch_tokens, 2048))
-            metrics = dist.broadcast(metrics)
             improved = metrics["sim_tau"] > state["best"] + 1e-4
             if improved:
                 state["best"], state["bad_evals"] = metrics["sim_tau"], 0
@@ -658,29 +691,38 @@ class Trainer:
         self.side_s += time.time() - t0
 
     def save_best(self, metrics: dict[str, float]) -> None:
-        """Rank 0 replaces ``<out>/head`` with the current head and its validation ``metrics.json``."""
+        """Rank 0 replaces ``<out>/head`` with the current head and its validation ``metrics.json`` (the old head
+        renamed aside first: a crash in between leaves one of the two, ``head`` or ``head.old``, complete)."""
         if dist.is_main():
-            tmp = self.out / "head.tmp"
+            tmp, head, old = self.out / "head.tmp", self.out / "head", self.out / "head.old"
             shutil.rmtree(tmp, ignore_errors=True)
             save_head(self.model, tmp)
             (tmp / "metrics.json").write_text(json.dumps({"step": self.state["step"], **metrics}, indent=2))
-            shutil.rmtree(self.out / "head", ignore_errors=True)
-            tmp.rename(self.out / "head")
+            if head.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                head.rename(old)
+            tmp.rename(head)
+            shutil.rmtree(old, ignore_errors=True)
 
     def checkpoint(self) -> None:
         """Save ``step<N>`` (DeepSpeed's engine, optimizer and scheduler; ``state``, the RNG and the run's
-        training time as client state) and keep the newest ``train.keep_checkpoints``."""
+        training time as client state; not the frozen weights, e.g. the target's embedding, 1 GB at 8B) and keep
+        the newest ``train.keep_checkpoints``."""
         t0 = time.time()
         state, ckpt_dir = self.state, self.ckpt_dir
         tag = f"step{state['step']:07d}"
-        if dist.is_main():  # written first: `latest` only moves to this tag once DeepSpeed has saved it
+        if dist.is_main():
             (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
-            (ckpt_dir / tag / "client.json").write_text(json.dumps({"fingerprint": self.fingerprint,
+            (ckpt_dir / tag / "client.json").write_text(json.dumps({"fingerprint": self.fingerprint, "world": self.world,
                                                                      "step": state["step"], "identity": self.identity}))
         state["train_s"] = time.time() - self.start
-        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"state": state, "rng": rng_state(),
-                                   "average": self.average.shadow if self.average else None})
-        if dist.is_main():
+        client = {"state": state, "rng": rng_state(), "average": self.average.shadow if self.average else None}
+        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False,
+                                    exclude_frozen_parameters=True)
+        dist.barrier()  # every rank's shards written: only now may `latest` name this tag (DeepSpeed's own `latest`
+        if dist.is_main():  # is written by rank 0 before the other ranks have finished theirs)
+            (ckpt_dir / "latest.tmp").write_text(tag)
+            os.replace(ckpt_dir / "latest.tmp", ckpt_dir / "latest")
             tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step"))
             for old in tags[: -self.tcfg.keep_checkpoints]:
                 shutil.rmtree(ckpt_dir / old, ignore_errors=True)

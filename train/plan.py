@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from data.captured import keeps_states
+from data.stage import validation_count
 from heads.eagle3 import TTTCache
 from heads.io import build_head, head_config
 from train.errors import ConfigError, UserError
@@ -141,8 +142,7 @@ def data_tokens(cfg: DictConfig) -> tuple[dict[str, int], str]:
         return {k: int(v) for k, v in json.loads(manifest.read_text())["tokens"].items()}, f"data manifest {manifest}"
     rows = pcfg.rows or _count_rows(cfg)
     per_row = min(pcfg.avg_row_tokens, cfg.data.max_length)
-    cap = cfg.data.validation_max_rows
-    val = int(min(rows * cfg.data.validation_fraction, cap if cap is not None else rows) * per_row)
+    val = validation_count(rows, cfg.data.validation_fraction, cfg.data.validation_max_rows) * per_row
     return ({"train": rows * per_row - val, "validation": val},
             f"estimate: {rows} rows x {per_row} tokens/row (planner.avg_row_tokens); run the data stage or "
             "set planner.tokens for the real figure")

@@ -62,7 +62,8 @@ IGNORED = {
 # count, so a finished stage (or a checkpoint) made before the key existed stays valid after an upgrade.
 ADDED = {"head.dropout": 0.0, "data.train_rows": None, "head.ttt_reach_topk": 0, "train.autocast": None,
          "train.ema": 0.0, "head.feature_loss": 0.0,
-         "head.layer_init_embed": "zero", "data.validation_max_rows": None}
+         "head.layer_init_embed": "zero", "data.validation_max_rows": None, "train.optimizer": "adamw",
+         "train.muon_lr": 0.02}
 # Keys that rerun the train stage (its result may differ) but keep its checkpoints: the run continues from
 # the latest checkpoint with the new value (budgets: a longer train.max_minutes continues training, the
 # schedule refitted from the current step; validation settings only change what is measured from now on).
@@ -101,14 +102,15 @@ def read_marker(cfg: DictConfig, name: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def config_parts(cfg: DictConfig, name: str) -> dict:
-    """The resolved values of the keys stage ``name`` depends on, :data:`IGNORED` keys removed, and
-    :data:`ADDED` keys at the value that reproduces runs made before them."""
+def config_parts(cfg: DictConfig, name: str, ignore: tuple[str, ...] = ()) -> dict:
+    """The resolved values of the keys stage ``name`` depends on, :data:`IGNORED` keys and ``ignore`` removed,
+    and :data:`ADDED` keys at the value that reproduces runs made before them."""
     parts = {}
     for key in DEPENDS[name]:
         value = OmegaConf.select(cfg, key)
         parts[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-    dropped = IGNORED.get(name, []) + [k for k, v in ADDED.items() if OmegaConf.select(cfg, k, default=v) == v]
+    dropped = [*IGNORED.get(name, []), *ignore] + [k for k, v in ADDED.items()
+                                                   if OmegaConf.select(cfg, k, default=v) == v]
     for key in dropped:
         dep = next((d for d in DEPENDS[name] if key == d or key.startswith(d + ".")), None)
         if dep is None:  # an ADDED key of another stage
@@ -141,8 +143,10 @@ def upstream_ids(cfg: DictConfig, name: str) -> dict:
     return ids
 
 
-def fingerprint(cfg: DictConfig, name: str) -> str:
-    parts = config_parts(cfg, name)
+def fingerprint(cfg: DictConfig, name: str, ignore: tuple[str, ...] = ()) -> str:
+    """A hash of what stage ``name``'s result depends on: its config keys (:func:`config_parts`, less
+    ``ignore``), the upstream stages' output ids and its format version."""
+    parts = config_parts(cfg, name, ignore)
     parts["upstream"] = upstream_ids(cfg, name)
     parts["format_version"] = FORMAT_VERSION.get(name, 1)
     return digest(parts)

@@ -347,13 +347,19 @@ def tokenizer_fingerprint(tok) -> str:
 
 
 def target_fingerprint(cfg: DictConfig) -> str:
-    """Identity of the target's files (config, tokenizer, weight files): no weights are loaded."""
+    """Identity of the target's files, no weights loaded: a Hub snapshot by its repository and commit (which
+    fix every file of it) and its config, so the identity is the same before and after the weights are
+    downloaded (a regeneration cache keyed before the download is found after it); a local folder by its
+    config, tokenizer and weight files."""
     from transformers.utils import cached_file
 
     path = target_path(cfg)
-    config_file = cached_file(path, "config.json", revision=cfg.model.revision, local_files_only=_offline())
-    folder = Path(config_file).parent
+    config_file = Path(cached_file(path, "config.json", revision=cfg.model.revision, local_files_only=_offline()))
+    folder = config_file.parent
     h = hashlib.sha256()
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        h.update(f"{folder.parent.parent.name}@{folder.name}".encode() + config_file.read_bytes())
+        return h.hexdigest()[:16]
     for f in sorted(folder.iterdir()):
         if f.suffix in (".json", ".jinja") and f.name != "generation_config.json":
             h.update(f.name.encode() + f.read_bytes())
