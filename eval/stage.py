@@ -139,11 +139,12 @@ def precision_spread(logits: torch.Tensor, error: torch.Tensor | None, *tokens: 
 class Fp32Scorer:
     """The target's float32 next-token logits after a token prefix, and the decoding precision's error there.
     ``target`` decodes (any precision); ``fp32``, the float32 target when the caller holds one (its weights as
-    loaded), else a target running in lower precision is copied and upcast on the first call (only
-    divergences pay for it: one more fp32 copy in memory)."""
+    loaded), else a target running in lower precision has a float32 copy loaded from its files on the first call
+    (only divergences pay for it), on the target's device when it has room for it (a 7-8B target: 32 GB beside
+    the 16 GB decoding in bf16), else on the CPU: never an out-of-memory error on a 40-48 GB GPU."""
 
-    def __init__(self, target, fp32=None):
-        self.target, self.model = target, fp32
+    def __init__(self, target, cfg: DictConfig, fp32=None):
+        self.target, self.cfg, self.model = target, cfg, fp32
 
     @staticmethod
     @torch.inference_mode()
@@ -153,14 +154,23 @@ class Fp32Scorer:
 
     def __call__(self, ids: list[int]) -> torch.Tensor:
         if self.model is None:
-            fp32 = self.target.dtype == torch.float32
-            self.model = self.target if fp32 else copy.deepcopy(self.target).float().eval()
+            self.model = self.target if self.target.dtype == torch.float32 else load_target(
+                self.cfg, scorer_device(self.target), torch.float32)
         return self._logits(self.model, ids)
 
     def error(self, ids: list[int], logits: torch.Tensor) -> torch.Tensor | None:
         """The decoding precision's next-token logits after ``ids`` minus their float32 ``logits`` (None when
         the target decodes in float32)."""
         return None if self.target.dtype == torch.float32 else self._logits(self.target, ids) - logits
+
+
+def scorer_device(target) -> torch.device:
+    """Where a float32 copy of ``target`` goes: its own device when that has 1.2x the copy's size free, else the CPU."""
+    device = next(target.parameters()).device
+    if device.type != "cuda":
+        return device
+    need = 1.2 * 4 * sum(p.numel() for p in target.parameters())
+    return device if torch.cuda.mem_get_info(device)[0] >= need else torch.device("cpu")
 
 
 def divergence(scorer: Fp32Scorer, tokenizer, prompt: EvalPrompt, cfg: DictConfig, plain: list[list[int]],
@@ -379,7 +389,7 @@ def evaluate(cfg: DictConfig, decoder: SpecDecoder, drafters: dict[str, Drafter]
     ones are added to it as each prompt finishes. With ``baselines``, the records of plain and n-gram found
     there (another head's eval, an earlier run) are reused (``reused``: tokens and timings from that
     process) and those decoded here are added to it."""
-    scorer = scorer or Fp32Scorer(decoder.target)
+    scorer = scorer or Fp32Scorer(decoder.target, cfg)
     methods = [m for m in drafters if m != "plain"]
     typical = {m: bool(cfg.eval.typical_acceptance) and m.startswith("medusa") for m in drafters}
     done = store.done if store is not None else {}
@@ -482,7 +492,7 @@ def run(cfg: DictConfig) -> dict:
         store.keep_tree(tree)
     ecfg = OmegaConf.merge(cfg.eval, {"tree": {"total_tokens": tree["total_tokens"]}})
     drafters = {m: build_drafter(m, head, target.config.num_hidden_layers, ecfg) for m in methods}
-    scorer = Fp32Scorer(target, fp32)
+    scorer = Fp32Scorer(target, cfg, fp32)
     records = [r for temperature in cfg.eval.temperatures
                for r in evaluate(cfg, decoder, drafters, tokenizer, prompts, float(temperature), scorer, store,
                                  baselines)]

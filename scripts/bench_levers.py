@@ -8,8 +8,8 @@ then one lever per row -- positions, lm_head init, TTT depth, tap noise, a rando
 draft layer started from target layer N-3 with the last-tap fc (the defaults), the other objectives (TV,
 LK-alpha, LK-lambda, HASS's top-K; KL alone for EAGLE-3, whose default adds the reverse KL, and that mix for
 Medusa), dropout, (EAGLE-3) the reach mask of the training-time test, the head's forward in bf16
-under autocast (``train.autocast``), a moving average of the weights (``train.ema``) and (EAGLE-3) EAGLE-1's
-feature regression (``head.feature_loss``).
+under autocast (``train.autocast``), a moving average of the weights (``train.ema``), (EAGLE-3) EAGLE-1's
+feature regression (``head.feature_loss``) and Muon (``train.optimizer``).
 
     .venv/bin/python scripts/bench_levers.py [--minutes 6] [--head eagle3|medusa] [--variant "name:key=value,key=value" ...] [key=value ...]
 
@@ -46,10 +46,12 @@ VARIANTS = {
         "bf16 autocast:train.autocast=bfloat16",
         "EMA of the weights 0.99:train.ema=0.99",
         "feature regression 1.0 (EAGLE-1):head.feature_loss=1.0",
+        "Muon on the hidden matrices:train.optimizer=muon",
     ],
     "medusa": ["default:", "assistant-only positions:train.positions=assistant", *OBJECTIVE_VARIANTS,
                "forward + reverse KL:head.loss=kl_mix", "dropout 0.1:head.dropout=0.1",
-               "bf16 autocast:train.autocast=bfloat16", "EMA of the weights 0.99:train.ema=0.99"],
+               "bf16 autocast:train.autocast=bfloat16", "EMA of the weights 0.99:train.ema=0.99",
+               "Muon on the hidden matrices:train.optimizer=muon"],
 }
 
 

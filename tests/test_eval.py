@@ -137,7 +137,7 @@ def test_eval_dtype_auto_measures_both_precisions_on_a_bf16_cpu(cfg_factory, tmp
     target, fp32, info = eval_target(cfg, load_tokenizer(cfg), tmp_path / "sizing")
     assert target.dtype == torch.bfloat16 and info == {"sizes": [1, 4, 8], "verify_ms": {"float32": 9.0, "bfloat16": 3.0},
                                                        "chosen": "bfloat16"}
-    assert fp32.dtype == torch.float32 and Fp32Scorer(target, fp32).model is fp32   # divergences re-scored by it
+    assert fp32.dtype == torch.float32 and Fp32Scorer(target, cfg, fp32).model is fp32   # divergences re-scored by it
     assert calls == [torch.float32, torch.bfloat16] * 2
     faster["dtype"] = torch.float32
     assert eval_target(cfg, load_tokenizer(cfg), tmp_path / "sizing")[0].dtype == torch.bfloat16   # kept
@@ -218,7 +218,7 @@ def test_divergence_mismatch_on_tiny_target(tiny_plain):
     """A made-up method output that takes the fp32 least likely token after 12 + 2 matched tokens is a
     real mismatch at that position; identical output is no divergence."""
     cfg, target, tokenizer, prompt, plain, _ = tiny_plain
-    scorer = Fp32Scorer(target)
+    scorer = Fp32Scorer(target, cfg)
     assert divergence(scorer, tokenizer, prompt, cfg, plain, plain) is None and scorer.model is None  # no forward
     context = turn_prompt(tokenizer, prompt, cfg, plain[:1]) + plain[1][:2]
     logits = scorer(context)
@@ -237,16 +237,16 @@ def test_divergence_tie_on_tiny_target(tiny_plain):
     cfg, target, tokenizer, prompt, plain, decode = tiny_plain
     token = plain[0][3]
     context = turn_prompt(tokenizer, prompt, cfg, []) + plain[0][:3]
-    logits = Fp32Scorer(target)(context)
+    logits = Fp32Scorer(target, cfg)(context)
     twin = token + 1 + int(logits[token + 1:].argmin())     # after ``token``: argmax ties keep ``token``
     twins = copy.deepcopy(target)
     with torch.no_grad():
         twins.lm_head.weight[twin] = twins.lm_head.weight[token]
     assert decode(twins) == plain                           # the twin is never emitted by plain decoding
-    div = divergence(Fp32Scorer(twins), tokenizer, prompt, cfg, plain, [plain[0][:3] + [twin], plain[1]])
+    div = divergence(Fp32Scorer(twins, cfg), tokenizer, prompt, cfg, plain, [plain[0][:3] + [twin], plain[1]])
     assert div["kind"] == "tie" and div["position"] == 3 and div["method_token"] == twin
     assert abs(div["fp32_gap"]) < 1e-5
-    clear = divergence(Fp32Scorer(target), tokenizer, prompt, cfg, plain, [plain[0][:3] + [twin], plain[1]])
+    clear = divergence(Fp32Scorer(target, cfg), tokenizer, prompt, cfg, plain, [plain[0][:3] + [twin], plain[1]])
     assert clear["kind"] == "mismatch"                      # the same output on the original target
 
 
@@ -256,28 +256,40 @@ def test_divergence_in_bf16_measures_the_precisions_error_and_still_catches_a_wr
     mismatch. In float32 no second forward is made (spread None)."""
     cfg, target, tokenizer, prompt, plain, _ = tiny_plain
     bf16 = copy.deepcopy(target).to(torch.bfloat16)
-    scorer = Fp32Scorer(bf16, target)
+    scorer = Fp32Scorer(bf16, cfg, target)
     context = turn_prompt(tokenizer, prompt, cfg, plain[:1]) + plain[1][:2]
     logits = scorer(context)
     error = scorer.error(context, logits)
-    assert error is not None and error.abs().max() > 0 and Fp32Scorer(target).error(context, logits) is None
+    assert error is not None and error.abs().max() > 0 and Fp32Scorer(target, cfg).error(context, logits) is None
     worst = int(logits.argmin())
     div = divergence(scorer, tokenizer, prompt, cfg, plain, [plain[0], plain[1][:2] + [worst, 5, 6]])
     assert div["kind"] == "mismatch" and 0 < div["precision_spread"] < abs(div["fp32_gap"])
     assert div["precision_spread"] == pytest.approx(precision_spread(logits, error, plain[1][2], worst))
-    assert divergence(Fp32Scorer(target), tokenizer, prompt, cfg, plain,
+    assert divergence(Fp32Scorer(target, cfg), tokenizer, prompt, cfg, plain,
                       [plain[0], plain[1][:2] + [worst, 5, 6]])["precision_spread"] is None
 
 
-def test_fp32_scorer_upcasts_a_copy_of_a_bf16_target(tiny_plain):
+def test_fp32_scorer_loads_the_float32_target_for_a_bf16_one(tiny_plain, monkeypatch):
+    """A bf16 target's divergences are judged by the float32 target as loaded from its files (not a copy of the
+    bf16 weights upcast), on the target's device when it has room, else on the CPU (a 7-8B target decoding in
+    bf16 on a 40-48 GB GPU has no room for its 32 GB float32 copy)."""
+    import types
+
+    from eval import stage
+
     cfg, target, tokenizer, prompt, plain, _ = tiny_plain
     bf16 = copy.deepcopy(target).to(torch.bfloat16)
-    scorer = Fp32Scorer(bf16)
+    scorer = Fp32Scorer(bf16, cfg)
     context = turn_prompt(tokenizer, prompt, cfg, [])
     logits = scorer(context)
     assert logits.dtype == torch.float32 and scorer.model is not bf16
     assert scorer.model.dtype == torch.float32 and bf16.dtype == torch.bfloat16     # the target is left alone
-    torch.testing.assert_close(logits, Fp32Scorer(target)(context), atol=0.05, rtol=0)
+    torch.testing.assert_close(logits, Fp32Scorer(target, cfg)(context), atol=0, rtol=0)
+    on_gpu = types.SimpleNamespace(parameters=lambda: iter([types.SimpleNamespace(
+        device=torch.device("cuda:3"), numel=lambda: 8_000_000_000)]))
+    for free, device in ((40 * 2**30, "cuda:3"), (20 * 2**30, "cpu")):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d, free=free: (free, 80 * 2**30))
+        assert stage.scorer_device(on_gpu) == torch.device(device)
 
 
 def record(method: str, prompt: str, wall_s: float, div: dict | None = None, temperature: float = 0.0) -> dict:
