@@ -67,6 +67,9 @@ def fp(name: str, *overrides: str, tmp: Path) -> str:
     ("data", "data.train_rows=3", True),
     ("eval", "eval.num_threads=1", False),
     ("eval", "eval.limit=3", True),
+    ("export", "publish.repo_id=me/heads", True),       # the model card's serve commands name the repo
+    ("export", "model.hub_id=org/target", True),        # and the target
+    ("export", "publish.private=true", False),
 ])
 def test_fingerprints_count_only_what_changes_the_result(tmp_path, stage, override, counts):
     assert (fp(stage, override, tmp=tmp_path) != fp(stage, tmp=tmp_path)) is counts

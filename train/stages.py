@@ -43,7 +43,7 @@ DEPENDS = {
     "extract": ["model", "head.type", "head.aux_layers", "extract"],
     "train": ["head", "train", "seed"],
     "eval": ["eval", "seed", "data.system_prompt", "data.thinking"],
-    "export": ["export"],
+    "export": ["export", "publish.repo_id", "model.hub_id"],  # the model card names the repo and the target
     "publish": ["publish"],
 }
 # Keys inside DEPENDS that do NOT change a stage's result (where, how fast or how verbosely it runs):
