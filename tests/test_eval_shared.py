@@ -103,7 +103,7 @@ def test_reused_plain_tokens_are_what_methods_are_checked_against(cfg_factory, c
     plain = next(r for r in rows if r["method"] == "plain")
     cfg = cfg_factory(*EVAL)
     tokenizer, prompt = load_tokenizer(cfg), next(p for p in load_prompts(cfg) if p.id == plain["id"])
-    logits = Fp32Scorer(load_target(cfg))(turn_prompt(tokenizer, prompt, cfg, []) + plain["tokens"][0][:2])
+    logits = Fp32Scorer(load_target(cfg), cfg)(turn_prompt(tokenizer, prompt, cfg, []) + plain["tokens"][0][:2])
     plain["tokens"][0][2:] = [int(logits.argmin())] * (len(plain["tokens"][0]) - 2)   # the least likely token
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     report, records = run_eval(cfg_factory, "head=medusa", "eval.methods=[medusa-chain]")
