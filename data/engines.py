@@ -19,6 +19,7 @@ the TARGET's chat template by :func:`data.template.prompt_ids`, and the same sam
 from __future__ import annotations
 
 import concurrent.futures as futures
+import fcntl
 import http.client
 import json
 import os
@@ -30,6 +31,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -59,12 +62,39 @@ class RegenError(DataError):
     """Regeneration could not go on; the message says what failed. Answers already written are kept."""
 
 
+@contextmanager
+def cache_lock(path: Path) -> Iterator[None]:
+    """Hold the cache ``path`` alone while regenerating into it: two runs sharing ``data.regen.dir`` (the
+    EAGLE-3 and Medusa runs of one target started side by side) would each compact the file and drop the other's
+    appended answers. The second one stops at once with the holder and the fix (no wait that could outlast a
+    collective timeout); the lock ends with its process, also on a crash."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise RegenError(f"another run is regenerating into {path} ({f.read().strip() or 'holder unknown'}): let "
+                             "it finish (this run then finds its answers in the cache), or give this run another "
+                             "data.regen.dir") from None
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        yield
+
+
 def regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path) -> dict | None:
-    """Regenerate every conversation of ``convs`` into the cache ``path`` with ``data.regen.backend``.
+    """Regenerate every conversation of ``convs`` into the cache ``path`` with ``data.regen.backend``, holding
+    it alone (:func:`cache_lock`, rank 0).
 
     Returns the regeneration stats on rank 0, ``None`` on the other ranks (their share is written; rank 0
     does the rest of the data stage).
     """
+    with cache_lock(path) if dist.is_main() else nullcontext():
+        return _regenerate_answers(cfg, convs, tokenizer, path)
+
+
+def _regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path) -> dict | None:
     rcfg = cfg.data.regen
     backend = rcfg.get("backend", "hf")
     if backend not in BACKENDS:
@@ -179,23 +209,22 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
         path.parent.mkdir(parents=True, exist_ok=True)
         fold_parts(path)
     dist.barrier()  # every rank reads the cache with what the parts held
-    cached = read_cache(path)
-
-    def todo(share: list[dict]) -> list[dict]:
-        return [c for c in share if not finished(cached.get(prompt_key(with_system(c["messages"], system_prompt))),
-                                                 cfg.data.max_length)]
-
-    mine = todo(shares(convs, system_prompt, world)[rank])
+    share = {prompt_key(with_system(c["messages"], system_prompt)): c for c in shares(convs, system_prompt, world)[rank]}
+    cached = read_cache(path, set(share))
+    mine = {key: c for key, c in share.items() if not finished(cached.get(key), cfg.data.max_length)}
     part, done, failed = part_files(path, rank, world)
     done.unlink(missing_ok=True)
     failed.unlink(missing_ok=True)
+    # Conversations answered in part (a crashed run's turns, merged above; or cut at a shorter data.max_length)
+    # continue from their cached turns in this rank's part file.
+    part.write_text("".join(cache_line(cached[key]) for key in mine if key in cached))
     # Short and right after every rank read its sources: from here on no rank sees a stale done file.
     dist.barrier()
     try:
         if mine:
             log(f"[data] rank {rank}/{world}: regenerating its share of {len(mine)} conversations into {part}")
             target = load_target(cfg, dtype=regen_dtype(cfg))
-            stats = regenerate(mine, target, tokenizer, rcfg, system_prompt, part, capture_writer(cfg),
+            stats = regenerate(list(mine.values()), target, tokenizer, rcfg, system_prompt, part, capture_writer(cfg),
                                cfg.data.max_length)
         else:
             stats = {"cached": 0, "generated": 0, "new_tokens": 0, "seconds": 0.0}
@@ -203,34 +232,31 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
         failed.write_text(json.dumps({"rank": rank, "error": repr(e)}))
         raise
     tmp = done.parent / (done.name + ".tmp")
-    tmp.write_text(json.dumps({"rank": rank, "world": world, "stats": stats}))
+    tmp.write_text(json.dumps({"rank": rank, "world": world, "stats": stats, "keys": list(mine)}))
     os.replace(tmp, done)
     if rank != 0:
         return None
 
-    per_rank = [todo(s) for s in shares(convs, system_prompt, world)]
-    rank_stats = {}
-    waiting = set(range(world))
+    rank_done = {}
     start = time.time()
-    while waiting:
-        for r in sorted(waiting):
+    while len(rank_done) < world:
+        for r in sorted(set(range(world)) - set(rank_done)):
             r_part, r_done, r_failed = part_files(path, r, world)
             if r_failed.exists():
                 raise RegenError(f"regeneration failed on rank {r}: {json.loads(r_failed.read_text())['error']} "
                                  f"(answers written so far are kept in {r_part}; a rerun resumes)")
             if r_done.exists():
-                rank_stats[r] = json.loads(r_done.read_text())["stats"]
-                waiting.discard(r)
-        if waiting:
+                rank_done[r] = json.loads(r_done.read_text())
+        if len(rank_done) < world:
             time.sleep(poll_s)
     log(f"[data] every rank has regenerated its share; merging {world} parts into {path} "
         f"(waited {time.time() - start:.0f} s)")
     with open(path, "a", encoding="utf-8") as f:
         for r in range(world):
             r_part = part_files(path, r, world)[0]
-            rows = read_cache(r_part)
-            for c in per_rank[r]:
-                key = prompt_key(with_system(c["messages"], system_prompt))
+            keys = rank_done[r]["keys"]
+            rows = read_cache(r_part, set(keys))
+            for key in keys:
                 if not finished(rows.get(key), cfg.data.max_length):
                     raise RegenError(f"rank {r} reported its share done but {r_part} lacks conversation {key}")
                 f.write(json.dumps(rows[key]) + "\n")
@@ -239,6 +265,7 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
     for r in range(world):
         for p in part_files(path, r, world)[:2]:
             p.unlink(missing_ok=True)
+    rank_stats = {r: d["stats"] for r, d in rank_done.items()}
     stats = {k: sum(s[k] for s in rank_stats.values()) for k in ("generated", "new_tokens")}
     total = len({prompt_key(with_system(c["messages"], system_prompt)) for c in convs})
     stats = {"cached": total - stats["generated"], **stats}

@@ -162,10 +162,13 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
 
 
 def _keep(kept: dict, jobs: list, out, layers: list[int] | None, last: list[int]) -> None:
-    """Append the last ``last[j]`` positions' states of batch row j to ``kept[jobs[j]]`` (rows still kept)."""
+    """Append the last ``last[j]`` positions' states of batch row j to ``kept[jobs[j]]`` (rows still kept), in
+    host memory: one copy per pass (the step already waits for its sampled tokens), and a row's slices would
+    otherwise hold the whole padded batch of every pass it took part in on the GPU until its last neighbour
+    finished (GBs at 8B beside the KV cache)."""
     if not layers:
         return
-    states = torch.stack([out.hidden_states[i] for i in layers], 2)  # [B, T, n_layers, H]
+    states = torch.stack([out.hidden_states[i] for i in layers], 2).to("cpu")  # [B, T, n_layers, H]
     for j, job in enumerate(jobs):
         if kept[job] is not None:
             kept[job].append(states[j, states.shape[1] - last[j]:])
@@ -179,12 +182,14 @@ def cache_file(directory: str, target_fp: str, rcfg, system_prompt: str | None, 
     return Path(directory) / f"{hashlib.sha256(settings.encode()).hexdigest()[:16]}.jsonl"
 
 
-def read_cache(path: Path) -> dict[str, dict]:
-    """Complete lines of the cache (a torn last line from a crash is ignored)."""
+def read_cache(path: Path, keys: set[str] | None = None) -> dict[str, dict]:
+    """Complete lines of the cache (a torn last line from a crash is ignored); with ``keys``, only theirs (a
+    rank's share: a million conversations are GBs of text, once per rank)."""
     done = {}
     for row in read_jsonl(path):
-        row.setdefault("complete", True)
-        done[row["key"]] = row
+        if keys is None or row["key"] in keys:
+            row.setdefault("complete", True)
+            done[row["key"]] = row
     return done
 
 

@@ -282,6 +282,10 @@ def test_two_ranks_train_like_one(prepared, tmp_path):
     output = proc.output(900)
     assert proc.returncode == 0, output[-3000:]
     assert "world 2 x accumulation 1" in output
+    # each rank draws its own noise and dropout masks, and the checkpoint keeps each rank's RNG to resume it
+    ckpt = stage_dir(two, "train") / "checkpoints"
+    client = torch.load(ckpt / (ckpt / "latest").read_text() / "mp_rank_00_model_states.pt", weights_only=False)
+    assert len(client["rng"]) == 2 and not torch.equal(client["rng"][0]["torch"], client["rng"][1]["torch"])
     torch.testing.assert_close(load_file(str(stage_dir(one, "train") / "head/model.safetensors")),
                                load_file(str(stage_dir(two, "train") / "head/model.safetensors")),
                                rtol=1e-4, atol=1e-5)

@@ -364,3 +364,42 @@ def test_a_rerun_on_another_rank_count_keeps_the_answers_of_the_interrupted_rank
     assert again["generated"] == 0 and again["cached"] == first["generated"] > 1
     assert read_cache(path).keys() == {json.loads(line)["key"] for line in lines}
     assert not list(path.parent.glob(f"{path.stem}.rank*"))
+
+
+def test_a_rank_continues_the_conversations_a_crashed_run_answered_in_part(tmp_path):
+    """Conversations whose first turns a crashed run answered (merged from its part files into the cache)
+    continue from those turns on the rank whose share they are: only the missing turns are generated."""
+    from data.engines import regenerate_sharded
+    from data.regenerate import cache_line
+
+    cfg = make_cfg(RANKS[1:] + [f"output_root={tmp_path}"])
+    tok, convs = load_tokenizer(cfg), [c for c in CONVS if len(c["messages"]) == 2]
+    full = regenerate_sharded(cfg, convs, tok, tmp_path / "full.jsonl")
+    reference = read_cache(tmp_path / "full.jsonl")
+    path = tmp_path / "cache.jsonl"
+
+    def first_turn(row: dict) -> dict:
+        end = [m["role"] for m in row["messages"]].index("assistant") + 1
+        return {**row, "messages": row["messages"][:end], "complete": False}
+
+    path.write_text("".join(cache_line(first_turn(r)) for r in reference.values()))
+    again = regenerate_sharded(cfg, convs, tok, path)
+    assert again["generated"] == len(convs) == 3 and 0 < again["new_tokens"] < full["new_tokens"]
+    assert {k: r["messages"] for k, r in read_cache(path).items()} == {k: r["messages"] for k, r in reference.items()}
+
+
+def test_a_second_run_on_the_same_cache_stops_at_once_naming_the_holder(tmp_path):
+    """Two runs sharing data.regen.dir would each compact the cache and drop the other's answers: the second
+    stops before touching it, naming the holder and the fix; once the first ends, it regenerates as usual."""
+    import re
+
+    from data.engines import cache_lock, regenerate_answers
+
+    cfg = make_cfg(RANKS[1:] + [f"output_root={tmp_path}"])
+    path, tok = tmp_path / "cache.jsonl", load_tokenizer(cfg)
+    with cache_lock(path):
+        with pytest.raises(RegenError, match=rf"another run is regenerating into {re.escape(str(path))} "
+                                             rf"\(pid {os.getpid()} on .*another data.regen.dir"):
+            regenerate_answers(cfg, CONVS[:2], tok, path)
+    assert not path.exists()
+    assert regenerate_answers(cfg, CONVS[:2], tok, path)["generated"] == 2

@@ -517,6 +517,10 @@ class Trainer:
         # A lambda, not the bound method: LambdaLR leaves plain functions out of its (checkpointed) state.
         self.engine, self.scheduler = make_engine(head, self.tcfg, self.dtype, lambda s: self.lr_ratio(s))
         self.model = self.engine.module
+        # The head was initialised alike on every rank; from here each rank draws its own tap noise and dropout
+        # masks (with one seed the ranks' noise would be the same draws on different rows).
+        torch.manual_seed(cfg.seed + self.rank)
+        random.seed(cfg.seed + self.rank)
         self.average = Average(self.model, self.tcfg.ema) if self.tcfg.ema else None
         self.fingerprint, self.identity = fingerprint(cfg, "train"), checkpoint_identity(cfg)
 
@@ -562,7 +566,8 @@ class Trainer:
                 f"old value(s) back to resume")
         _, client = self.engine.load_checkpoint(str(ckpt_dir), load_module_strict=False)
         state.update(client["state"])
-        set_rng_state(client["rng"])
+        rng = client["rng"]
+        set_rng_state(rng[self.rank] if isinstance(rng, list) else rng)   # one per rank (a dict: made before)
         if self.average:
             torch._foreach_copy_(self.average.shadow, [t.to(self.device) for t in client["average"]])
         if changed:
@@ -705,7 +710,7 @@ class Trainer:
             shutil.rmtree(old, ignore_errors=True)
 
     def checkpoint(self) -> None:
-        """Save ``step<N>`` (DeepSpeed's engine, optimizer and scheduler; ``state``, the RNG and the run's
+        """Save ``step<N>`` (DeepSpeed's engine, optimizer and scheduler; ``state``, each rank's RNG and the run's
         training time as client state; not the frozen weights, e.g. the target's embedding, 1 GB at 8B) and keep
         the newest ``train.keep_checkpoints``."""
         t0 = time.time()
@@ -716,7 +721,8 @@ class Trainer:
             (ckpt_dir / tag / "client.json").write_text(json.dumps({"fingerprint": self.fingerprint, "world": self.world,
                                                                      "step": state["step"], "identity": self.identity}))
         state["train_s"] = time.time() - self.start
-        client = {"state": state, "rng": rng_state(), "average": self.average.shadow if self.average else None}
+        client = {"state": state, "rng": dist.all_gather_objects(rng_state()),  # saved by rank 0 only: every rank's
+                  "average": self.average.shadow if self.average else None}
         self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False,
                                     exclude_frozen_parameters=True)
         dist.barrier()  # every rank's shards written: only now may `latest` name this tag (DeepSpeed's own `latest`

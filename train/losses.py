@@ -36,13 +36,15 @@ class TargetView:
 
 @torch.no_grad()
 def full_argmax(last: torch.Tensor, lm_head: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """The target's own next-token argmax over its full vocabulary, [...] from last [..., H] (chunked).
+    """The target's own next-token argmax over its full vocabulary, [...] from last [..., H] (chunked, on
+    ``lm_head``'s device; the result on ``last``'s).
 
     ``max(-1).indices`` (the first maximal index, as ``argmax``): on a CPU ``argmax`` over bf16 logits costs as
     much as the GEMM before it, ``max`` a third of that (``scripts/bench_data.py``'s README row)."""
     flat = last.reshape(-1, last.shape[-1])
-    out = [(flat[a: a + chunk].to(lm_head.dtype) @ lm_head.T).max(-1).indices for a in range(0, flat.shape[0], chunk)]
-    return torch.cat(out).view(last.shape[:-1])
+    out = [(flat[a: a + chunk].to(lm_head.device, lm_head.dtype) @ lm_head.T).max(-1).indices
+           for a in range(0, flat.shape[0], chunk)]
+    return torch.cat(out).view(last.shape[:-1]).to(last.device)
 
 
 @torch.no_grad()
