@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from heads import MedusaConfig, MedusaHead, save_head
 from heads.eagle3 import KVCache
 from tests.test_heads import HEAD_CFG, tiny_eagle3
-from train.export import ExportError, check_tensors, expected_tensors, import_export
+from train.export import ExportError, check_tensors, expected_tensors, full_vocab_rows, import_export
 from train.publish import PublishError
 from train.stages import MARKER, fingerprint, run_stages, stage_dir
 from train.target import load_target
@@ -136,16 +136,30 @@ def test_medusa_format_and_round_trip(medusa_export):
     V = target.config.vocab_size
     assert config["num_heads"] == 3 and config["num_hidden_layers"] == 2 and config["truncated_vocab_size"] == V
     assert set(tensors) == set(expected_tensors("medusa", head))
-    # vLLM 0.32 loads full-vocabulary heads only: the trained rows in place, zeros elsewhere.
+    # vLLM 0.32 loads full-vocabulary heads only: the trained rows in place, their mean elsewhere.
     rows = head.draft_ids()
-    assert tensors["lm_heads.1.weight"].shape == (V, target.config.hidden_size)
-    assert torch.equal(tensors["lm_heads.1.weight"][rows], head.lm_heads[1].weight.bfloat16())
-    assert tensors["lm_heads.1.weight"].float().abs().sum() == tensors["lm_heads.1.weight"][rows].float().abs().sum()
+    full = tensors["lm_heads.1.weight"]
+    assert full.shape == (V, target.config.hidden_size)
+    assert torch.equal(full[rows], head.lm_heads[1].weight.bfloat16())
+    mean = head.lm_heads[1].weight.bfloat16().float().mean(0).bfloat16()
+    assert (full[~head.t2d] == mean).all()
     again = import_export(folder, "medusa", target)
     x = torch.randn(2, 5, target.config.hidden_size)
     ours, theirs = head.to(torch.bfloat16).float()(x), again(x)
     assert torch.equal(theirs[..., rows], ours)
-    assert torch.count_nonzero(theirs[..., ~head.t2d]) == 0
+    assert head.t2d[theirs.argmax(-1)].all()   # the engine's top token is one the head was trained on
+
+
+def test_medusa_export_never_lets_an_untrained_token_outscore_the_trained_ones():
+    """Where every trained logit is negative (y chosen so), rows outside the draft vocabulary must not win: zero
+    rows (logit 0) did; the mean of the trained rows never scores above their maximum."""
+    torch.manual_seed(0)
+    weight, rows = torch.randn(8, 16), torch.tensor([3, 5, 8, 13, 21, 34, 55, 89])
+    full = full_vocab_rows(weight, rows, 100)
+    below_zero = -torch.linalg.pinv(weight) @ (1 + torch.rand(8))   # every trained logit in [-2, -1]
+    assert (weight @ below_zero).max() < 0
+    for y in [below_zero, *torch.randn(1000, 16)]:
+        assert int((full @ y).argmax()) in rows.tolist()
 
 
 def test_publish_dry_run_lists_only_the_export(eagle_export):

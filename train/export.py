@@ -100,6 +100,16 @@ def check_tensors(fmt: str, tensors: dict[str, torch.Tensor], expected: dict, dt
         raise ExportError(f"{fmt} export does not match what the engine expects: " + "; ".join(problems))
 
 
+def full_vocab_rows(weight: torch.Tensor, rows: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A head's lm_head ``weight`` [draft_vocab, H] over the whole vocabulary: its rows at target ids ``rows``, and
+    every other row the mean of its rows. A convex combination of the rows never scores above their maximum, so
+    the engine's top token is always one the head was trained on; zero rows (logit 0) won wherever every trained
+    logit was negative, and vLLM then proposed a token the head never scores, rejected every time."""
+    full = weight.float().mean(0).to(weight.dtype).expand(vocab_size, -1).clone()
+    full[rows] = weight
+    return full
+
+
 def build(fmt: str, head, target: TargetWeights, cfg: DictConfig, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, config.json) of one format."""
     state = {k: v.detach().cpu() for k, v in head.trained_state_dict().items()}
@@ -107,14 +117,11 @@ def build(fmt: str, head, target: TargetWeights, cfg: DictConfig, dtype: torch.d
     dname = str(dtype).removeprefix("torch.")
     c = head.config
     if fmt == "medusa":
-        # vLLM 0.32 cannot load a reduced vocabulary (token_map): full-vocabulary heads, zero rows
-        # (logit 0) outside the draft vocabulary, which the head's trained top tokens outscore.
+        # vLLM 0.32 cannot load a reduced vocabulary (token_map): full-vocabulary heads (full_vocab_rows).
         tensors = {k: v for k, v in cast.items() if not k.startswith("lm_heads.") and k not in ("d2t", "t2d")}
         rows = head.draft_ids().cpu()
         for h in range(c.num_heads):
-            full = torch.zeros(c.vocab_size, c.hidden_size, dtype=dtype)
-            full[rows] = cast[f"lm_heads.{h}.weight"]
-            tensors[f"lm_heads.{h}.weight"] = full
+            tensors[f"lm_heads.{h}.weight"] = full_vocab_rows(cast[f"lm_heads.{h}.weight"], rows, c.vocab_size)
         config = {
             "model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": c.hidden_size,
             "vocab_size": c.vocab_size, "num_heads": c.num_heads, "num_hidden_layers": c.num_layers,
@@ -206,7 +213,7 @@ def import_export(path: str | Path, fmt: str, target) -> torch.nn.Module:
     config = json.loads((path / "config.json").read_text())
     tensors = load_file(str(path / "model.safetensors"))
     if fmt == "medusa":
-        # What the engine sees: full-vocabulary heads (zero rows outside the trained vocabulary).
+        # What the engine sees: full-vocabulary heads (full_vocab_rows).
         c = MedusaConfig(hidden_size=config["hidden_size"], vocab_size=config["vocab_size"],
                          draft_vocab_size=config["vocab_size"], num_heads=config["num_heads"],
                          num_layers=config["num_hidden_layers"])
