@@ -84,8 +84,12 @@ class SpecDecoder:
         return cache, logits, hidden
 
     def verify(self, cache: DynamicCache, root: int, tree: DraftTree, hidden_layers: list[int]):
-        """One target pass over root + tree nodes; returns (logits [m+1, vocab], hidden_states or None)."""
+        """One target pass over root + tree nodes; returns (logits [m+1, vocab], hidden_states or None). The
+        root alone (plain decoding, an empty draft) passes no mask: with one, SDPA on CUDA expands grouped KV
+        heads to every query head at each layer (`repeat_kv`) instead of reading them grouped."""
         past = cache.get_seq_length()
+        if not tree.tokens:
+            return self.forward(torch.tensor([[root]], device=self.device), hidden_layers, cache)
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)
         positions = past + torch.tensor(tree.depths(), device=self.device)
         tree_mask = tree.ancestor_mask(self.device)

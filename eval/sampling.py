@@ -49,7 +49,8 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def _uniform(generator: torch.Generator | None) -> float:
-    return float(torch.rand((), generator=generator))
+    # drawn on the generator's device: a CUDA generator cannot draw a CPU tensor (every sampled cycle raised on a GPU)
+    return float(torch.rand((), generator=generator, device=generator.device if generator else None))
 
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:

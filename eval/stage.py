@@ -154,14 +154,16 @@ class Fp32Scorer:
 
     def __call__(self, ids: list[int]) -> torch.Tensor:
         if self.model is None:
-            self.model = self.target if self.target.dtype == torch.float32 else load_target(
-                self.cfg, scorer_device(self.target), torch.float32)
+            device = scorer_device(self.target)
+            if device.type == "cpu" and next(self.target.parameters()).device.type == "cuda":
+                torch.set_num_threads(os.cpu_count() or 1)  # a launcher's OMP_NUM_THREADS=1: minutes per 8B pass
+            self.model = self.target if self.target.dtype == torch.float32 else load_target(self.cfg, device, torch.float32)
         return self._logits(self.model, ids)
 
     def error(self, ids: list[int], logits: torch.Tensor) -> torch.Tensor | None:
         """The decoding precision's next-token logits after ``ids`` minus their float32 ``logits`` (None when
         the target decodes in float32)."""
-        return None if self.target.dtype == torch.float32 else self._logits(self.target, ids) - logits
+        return None if self.target.dtype == torch.float32 else self._logits(self.target, ids).to(logits.device) - logits
 
 
 def scorer_device(target) -> torch.device:

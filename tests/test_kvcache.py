@@ -93,7 +93,10 @@ def _continuous(target, monkeypatch, batch_size: int, refill: int, eos: set[int]
 
     def counted(a, mask_a, b, mask_b, room):
         joins.append(mask_a.shape[0] + mask_b.shape[0])
-        return join(a, mask_a, b, mask_b, room)
+        old = list(a.layers)
+        out = join(a, mask_a, b, mask_b, room)
+        assert all(layer.keys is None and layer.values is None for layer in old)   # emptied as copied
+        return out
 
     monkeypatch.setattr(data.regenerate, "join", counted)
     queue, got = deque(enumerate(PROMPTS[:5])), {}

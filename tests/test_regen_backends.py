@@ -253,13 +253,16 @@ def cache_of(cfg) -> dict:
 
 @pytest.mark.slow
 def test_two_ranks_regenerate_what_one_process_does(tmp_path):
+    """Both ranks answer their share, also of prompts a synth source has the target write (one rank writes
+    them under a file lock, the other reads them back)."""
     deepspeed = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", "29681"]
     one, two = tmp_path / "one", tmp_path / "two"
+    sources = "data.sources=[{type:builtin,limit:24},{type:synth,n:4,batch_size:4,max_new_tokens:24,min_chars:1}]"
     for launcher, root in (([sys.executable], one), (deepspeed, two)):
-        proc = subprocess.run([*launcher, str(ROOT / "train/run.py"), *RANKS, f"output_root={root}"], cwd=ROOT,
-                              env=ENV, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run([*launcher, str(ROOT / "train/run.py"), *RANKS, sources, f"output_root={root}"],
+                              cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    cfg_one, cfg_two = make_cfg([*RANKS, f"output_root={one}"]), make_cfg([*RANKS, f"output_root={two}"])
+    cfg_one, cfg_two = (make_cfg([*RANKS, sources, f"output_root={root}"]) for root in (one, two))
     a, b = cache_of(cfg_one), cache_of(cfg_two)
     assert len(a) >= 20 and a.keys() == b.keys()
     assert {k: r["messages"] for k, r in a.items()} == {k: r["messages"] for k, r in b.items()}
@@ -403,3 +406,18 @@ def test_a_second_run_on_the_same_cache_stops_at_once_naming_the_holder(tmp_path
             regenerate_answers(cfg, CONVS[:2], tok, path)
     assert not path.exists()
     assert regenerate_answers(cfg, CONVS[:2], tok, path)["generated"] == 2
+
+
+def test_rank0_stops_when_a_rank_stops_beating_before_its_share_is_done(tmp_path, monkeypatch):
+    """Rank 0 of 2 (run alone here: rank 1 never starts, as if killed without a word on another node) answers its
+    share, then stops with an error naming rank 1's heartbeat instead of waiting for its done file forever."""
+    from data.engines import regenerate_sharded
+
+    cfg = make_cfg(RANKS[1:] + [f"output_root={tmp_path}"])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    path = tmp_path / "cache.jsonl"
+    with pytest.raises(RegenError, match=r"rank 1 stopped regenerating its share into .*rank1of2.jsonl: its heartbeat "
+                                         r".*_alive.rank1 has not changed for 0 s .* A rerun resumes"):
+        regenerate_sharded(cfg, CONVS, load_tokenizer(cfg), path, poll_s=0.02, stale_s=0.3)
+    assert len(read_cache(path.parent / f"{path.stem}.rank0of2.jsonl")) == 4   # rank 0's share, kept for the rerun

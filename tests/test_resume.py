@@ -414,3 +414,24 @@ def test_validation_rows_are_dealt_among_the_ranks_once_each_with_balanced_token
     tokens = [sum(lengths[r] for r in share) for share in shares]
     assert max(tokens) - min(tokens) <= max(lengths[r] for r in rows)
     assert train.loop.validation_share(lengths, rows[:3], 5, 8) == []   # more ranks than rows: some score none
+
+
+def test_a_waiting_rank_stops_when_rank0_stops_beating(tmp_path):
+    """The other ranks wait for a rank-0-only stage's marker as long as rank 0's heartbeat changes (here past
+    the staleness limit), and stop with an error naming it once it no longer does (rank 0 killed without a word,
+    which a launcher on another node does not see)."""
+    import threading
+
+    cfg = OmegaConf.create({"run_dir": str(tmp_path)})
+    folder = stage_dir(cfg, "eval")
+    folder.mkdir()
+    done = lambda: (folder / stages.MARKER).write_text(json.dumps({"fingerprint": "fp"}))  # noqa: E731
+    with stages.heartbeat(folder / stages.ALIVE, 0.05):
+        threading.Timer(1.0, done).start()
+        start = time.monotonic()
+        assert stages.wait_for_marker(cfg, "eval", "fp", poll_s=0.02, stale_s=0.3) == {"fingerprint": "fp"}
+        assert time.monotonic() - start > 0.9
+    (folder / stages.MARKER).unlink()
+    with pytest.raises(RuntimeError, match=r"rank 0 stopped working on stage 'eval': its heartbeat .*_alive has not "
+                                           r"changed for 0 s .* A rerun resumes"):
+        stages.wait_for_marker(cfg, "eval", "fp", poll_s=0.02, stale_s=0.3)

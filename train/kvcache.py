@@ -99,7 +99,8 @@ def join(a: DynamicCache, mask_a: torch.Tensor, b: DynamicCache, mask_b: torch.T
     Both hold left-padded rows ([B, length] masks, 1 = a position the row attends). The result right-aligns
     them at one length: the leading columns no row of ``a`` attends are dropped, the shorter side is padded
     on the left with zeros (masked; zeros, not garbage, so that a NaN cannot reach attention). ``b`` becomes
-    the result, its layers :class:`BufferLayer` with ``room`` free positions. One copy of each position.
+    the result, its layers :class:`BufferLayer` with ``room`` free positions. One copy of each position; the
+    layers of ``a`` and ``b`` are emptied as they are copied (at 8B a batch's cache is tens of GB).
     """
     start = int(mask_a.any(0).int().argmax())
     la, lb = mask_a.shape[1] - start, mask_b.shape[1]
@@ -122,5 +123,7 @@ def join(a: DynamicCache, mask_a: torch.Tensor, b: DynamicCache, mask_b: torch.T
         layer.device, layer.length, layer.is_initialized = buffers[0].device, length, True
         layer._views()
         layers.append(layer)
+        for old in (x, y):  # emptied once copied: the peak is both caches plus one layer, not a third whole cache
+            old.keys = old.values = old._k = old._v = None
     b.layers = layers  # b keeps the rest of its state (the config's layer plan)
     return b, mask

@@ -17,7 +17,10 @@ import hashlib
 import importlib
 import json
 import os
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -83,6 +86,9 @@ FORMAT_VERSION = {"data": 2, "extract": 2}
 DISTRIBUTED = {"extract", "train"}
 MARKER = "_complete.json"
 FAILED = "_failed.json"  # written by rank 0 when a rank-0-only stage raises: the waiting ranks stop too
+ALIVE = "_alive"  # heartbeats (a counter rewritten every HEARTBEAT_S): rank 0 in a rank-0-only stage, `_alive.rank<r>`
+#                   rank r regenerating its share of the data stage
+HEARTBEAT_S, STALE_S = 30.0, 600.0
 
 
 def stage_dir(cfg: DictConfig, name: str) -> Path:
@@ -216,6 +222,8 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
             stage_dir(cfg, name).mkdir(parents=True, exist_ok=True)
             (stage_dir(cfg, name) / MARKER).unlink(missing_ok=True)
             (stage_dir(cfg, name) / FAILED).unlink(missing_ok=True)
+            for beat in stage_dir(cfg, name).glob(ALIVE + "*"):
+                beat.unlink()
         dist.barrier()
         if name in DISTRIBUTED:
             out = importlib.import_module(ENTRY[name]).run(cfg)
@@ -223,14 +231,16 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
             marker = _write_marker(cfg, name, fp, start, out)
         elif dist.is_main():
             try:
-                out = importlib.import_module(ENTRY[name]).run(cfg)
+                with heartbeat(stage_dir(cfg, name) / ALIVE, HEARTBEAT_S if dist.world_size() > 1 else None):
+                    out = importlib.import_module(ENTRY[name]).run(cfg)
             except BaseException as e:
                 (stage_dir(cfg, name) / FAILED).write_text(json.dumps({"error": repr(e)}))
                 raise
             marker = _write_marker(cfg, name, fp, start, out)
         else:  # no collective stays open while rank 0 works alone (hours of regeneration are fine)
             if shares_work(cfg, name):  # this rank's share first (it signals rank 0 by a file), then wait
-                importlib.import_module(ENTRY[name]).run(cfg)
+                with heartbeat(stage_dir(cfg, name) / f"{ALIVE}.rank{dist.rank()}", HEARTBEAT_S):
+                    importlib.import_module(ENTRY[name]).run(cfg)
             marker = wait_for_marker(cfg, name, fp)
         release_memory()
         dist.barrier()
@@ -252,11 +262,10 @@ def release_memory() -> None:
 
 def shares_work(cfg: DictConfig, name: str) -> bool:
     """Whether the other ranks also enter the rank-0 stage ``name`` for a part of its work: the data stage's
-    ``hf`` regeneration is split across ranks (data/engines.py); they return after their share. Not with a
-    ``synth`` source: its prompts are generated (and cached) by rank 0 alone, so rank 0 also regenerates."""
+    ``hf`` regeneration is split across ranks (data/engines.py); they return after their share. A ``synth``
+    source too: one rank writes its prompts under a file lock, the others then read the same cache."""
     return (name == "data" and dist.world_size() > 1 and bool(cfg.data.regenerate)
-            and cfg.data.regen.get("backend", "hf") == "hf"
-            and not any(s.get("type") == "synth" for s in cfg.data.sources))
+            and cfg.data.regen.get("backend", "hf") == "hf")
 
 
 def _write_marker(cfg: DictConfig, name: str, fp: str, start: float, out: dict | None) -> dict:
@@ -271,12 +280,64 @@ def _write_marker(cfg: DictConfig, name: str, fp: str, start: float, out: dict |
     return marker
 
 
-def wait_for_marker(cfg: DictConfig, name: str, fp: str, poll_s: float = 2.0) -> dict:
-    """Wait (polling the shared run directory) until rank 0 has finished stage ``name``; raise if it failed."""
+@contextmanager
+def heartbeat(path: Path, every_s: float | None) -> Iterator[None]:
+    """While the block runs, rewrite ``path`` with a rising counter every ``every_s`` seconds (a daemon thread;
+    nothing when None): the ranks waiting for this one see it is alive (:func:`wait_for_marker`)."""
+    if every_s is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def beat() -> None:
+        count = 0
+        while True:
+            count += 1
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(str(count))
+            os.replace(tmp, path)
+            if stop.wait(every_s):
+                return
+
+    thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        path.unlink(missing_ok=True)
+
+
+class Pulse:
+    """Whether the heartbeat file ``path`` (:func:`heartbeat`) has stopped changing for ``stale_s`` seconds of
+    this process's clock (no clock is shared with the writer, which may be on another node)."""
+
+    def __init__(self, path: Path, stale_s: float = STALE_S):
+        self.path, self.stale_s, self.last, self.since = path, stale_s, None, time.monotonic()
+
+    def stopped(self) -> bool:
+        beat = self.path.read_text() if self.path.exists() else None
+        if beat != self.last:
+            self.last, self.since = beat, time.monotonic()
+        return time.monotonic() - self.since > self.stale_s
+
+    def error(self, who: str, what: str) -> str:
+        return (f"{who} stopped {what}: its heartbeat {self.path} has not changed for {self.stale_s:.0f} s (killed? out "
+                "of host memory? see its log and the kernel's); this rank stops too. A rerun resumes")
+
+
+def wait_for_marker(cfg: DictConfig, name: str, fp: str, poll_s: float = 2.0, stale_s: float = STALE_S) -> dict:
+    """Wait (polling the shared run directory) until rank 0 has finished stage ``name``; raise if it failed, or
+    if its heartbeat has stopped (:class:`Pulse`): rank 0 was killed without a word (the kernel's out-of-memory
+    killer, a lost node), which a launcher on another node does not see, and this rank would wait forever."""
+    pulse = Pulse(stage_dir(cfg, name) / ALIVE, stale_s)
     while True:
         marker = read_marker(cfg, name)
         if marker and marker.get("fingerprint") == fp:
             return marker
         if (stage_dir(cfg, name) / FAILED).exists():
             raise RuntimeError(f"stage {name!r} failed on rank 0 (see its log); this rank stops too")
+        if pulse.stopped():
+            raise RuntimeError(pulse.error("rank 0", f"working on stage {name!r}"))
         time.sleep(poll_s)
