@@ -268,6 +268,9 @@ def test_two_ranks_regenerate_what_one_process_does(tmp_path):
     assert {k: r["messages"] for k, r in a.items()} == {k: r["messages"] for k, r in b.items()}
     from train.stages import stage_dir
 
+    one_synth, two_synth = ({k: (s["kept"], s["attempts"]) for k, s in json.loads(
+        (stage_dir(c, "data") / "stats.json").read_text())["synth"].items()} for c in (cfg_one, cfg_two))
+    assert one_synth and one_synth == two_synth   # the same prompts on both ranks, as in one process
     stats = json.loads((stage_dir(cfg_two, "data") / "stats.json").read_text())["regeneration"]
     assert stats["world_size"] == 2 and len(stats["per_rank"]) == 2 and all(s["generated"] for s in stats["per_rank"])
     assert not list(Path(cfg_two.data.regen.dir).glob("*.rank*"))  # parts merged and removed
