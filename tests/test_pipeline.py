@@ -464,3 +464,23 @@ def test_each_stage_gives_its_gpu_memory_back(monkeypatch, tmp_path):
     finally:
         gc.enable()
     assert events == [True]
+
+
+def test_the_train_stage_lets_go_of_its_engine_and_online_target(prepared, tmp_path, monkeypatch):
+    """Once the train stage ends, nothing holds its trainer (DeepSpeed engine, optimizer) or the target online
+    training loaded: the eval stage then loads its own (at 8B a second 16 GB copy if the first were kept)."""
+    import gc
+    import weakref
+
+    import train.loop
+
+    refs, init = [], train.loop.Trainer.__init__
+
+    def remembered(self, cfg):
+        init(self, cfg)
+        refs.extend([weakref.ref(self), weakref.ref(self.data.train.target)])
+
+    monkeypatch.setattr(train.loop.Trainer, "__init__", remembered)
+    run_stages(fresh_run(prepared, tmp_path, "stages=[train]", "train.online=true"))
+    gc.collect()
+    assert len(refs) == 2 and all(ref() is None for ref in refs)
