@@ -32,7 +32,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -90,7 +90,10 @@ def regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
     Returns the regeneration stats on rank 0, ``None`` on the other ranks (their share is written; rank 0
     does the rest of the data stage).
     """
-    with cache_lock(path) if dist.is_main() else nullcontext():
+    if not dist.is_main():
+        return _regenerate_answers(cfg, convs, tokenizer, path)
+    with cache_lock(path):
+        fold_parts(path)  # whatever runs now (any backend, rank count or one process) resumes an interrupted shard
         return _regenerate_answers(cfg, convs, tokenizer, path)
 
 
@@ -105,14 +108,12 @@ def _regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Pat
         from train.target import load_target, regen_dtype
 
         if not shares_work(cfg, "data"):  # one process (or rank 0 alone): exactly as before
-            fold_parts(path)
             target = load_target(cfg, dtype=regen_dtype(cfg))
             stats = regenerate(convs, target, tokenizer, rcfg, system_prompt, path, capture_writer(cfg),
                                cfg.data.max_length)
         else:
             stats = regenerate_sharded(cfg, convs, tokenizer, path)
         return None if stats is None else {"backend": "hf", "world_size": dist.world_size(), **stats}
-    fold_parts(path)
     eos = eos_ids(tokenizer, _generation_config(cfg))
     if backend == "openai":
         if not rcfg.get("url"):
@@ -208,10 +209,7 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
 
     rank, world, system_prompt = dist.rank(), dist.world_size(), cfg.data.system_prompt
     rcfg = cfg.data.regen
-    if rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fold_parts(path)
-    dist.barrier()  # every rank reads the cache with what the parts held
+    dist.barrier()  # every rank reads the cache once rank 0 has folded the part files of an interrupted run in
     share = {prompt_key(with_system(c["messages"], system_prompt)): c for c in shares(convs, system_prompt, world)[rank]}
     cached = read_cache(path, set(share))
     mine = {key: c for key, c in share.items() if not finished(cached.get(key), cfg.data.max_length)}

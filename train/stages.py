@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -231,7 +231,7 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
             marker = _write_marker(cfg, name, fp, start, out)
         elif dist.is_main():
             try:
-                with heartbeat(stage_dir(cfg, name) / ALIVE, HEARTBEAT_S if dist.world_size() > 1 else None):
+                with heartbeat(stage_dir(cfg, name) / ALIVE, HEARTBEAT_S) if dist.world_size() > 1 else nullcontext():
                     out = importlib.import_module(ENTRY[name]).run(cfg)
             except BaseException as e:
                 (stage_dir(cfg, name) / FAILED).write_text(json.dumps({"error": repr(e)}))
@@ -281,12 +281,9 @@ def _write_marker(cfg: DictConfig, name: str, fp: str, start: float, out: dict |
 
 
 @contextmanager
-def heartbeat(path: Path, every_s: float | None) -> Iterator[None]:
-    """While the block runs, rewrite ``path`` with a rising counter every ``every_s`` seconds (a daemon thread;
-    nothing when None): the ranks waiting for this one see it is alive (:func:`wait_for_marker`)."""
-    if every_s is None:
-        yield
-        return
+def heartbeat(path: Path, every_s: float) -> Iterator[None]:
+    """While the block runs, rewrite ``path`` with a rising counter every ``every_s`` seconds (a daemon thread):
+    the ranks waiting for this one see it is alive (:class:`Pulse`)."""
     stop = threading.Event()
 
     def beat() -> None:
