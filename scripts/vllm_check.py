@@ -12,7 +12,9 @@ Meanwhile our chain decoder runs each head re-imported from that same export fol
 (``train.export.import_export``), so matching acceptance shows that layer ids, norms and the
 vocabulary mapping survived the export. Per run directory the figures go to
 ``<run_dir>/export/vllm_check.json`` (definitions included); the exit status is 1 when any
-speculative output differs from the no-speculation output or an engine run failed.
+speculative output differs from the no-speculation output, vLLM taps other target layers than an EAGLE-3
+export names at the top level of its config.json (where vLLM's model runner V2, its GPU default, reads them;
+otherwise it takes its defaults without a word), or an engine run failed.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ def engine_run(spec: dict, speculative_config: dict | None) -> dict:
         llm = LLM(model=spec["target"], dtype=spec["dtype"], enforce_eager=True, max_model_len=spec["max_model_len"],
                   seed=0, disable_log_stats=False, speculative_config=speculative_config)
         startup_s = time.perf_counter() - start
+        taps = llm.apply_model(aux_layers)[0] if speculative_config and speculative_config["method"] == "eagle3" else None
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         before = spec_counters(llm)
@@ -104,8 +107,14 @@ def engine_run(spec: dict, speculative_config: dict | None) -> dict:
             gc.collect()
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     counts = {key: subtract(value, before.get(key)) for key, value in after.items()}
-    return {"config": speculative_config, "tokens": tokens, "startup_s": round(startup_s, 1),
+    return {"config": speculative_config, "tokens": tokens, "aux_layers": taps, "startup_s": round(startup_s, 1),
             "generate_s": round(generate_s, 2), "tokens_per_s": round(sum(map(len, tokens)) / generate_s, 1), **counts}
+
+
+def aux_layers(model) -> list[int]:
+    """The target layers whose entering hidden states vLLM hands the EAGLE-3 draft (what it read from the
+    export's config, or its own defaults [2, N//2, N-3] when it found none: no error either way)."""
+    return list(getattr(getattr(model, "model", model), "aux_hidden_state_layers", ()))
 
 
 def spec_counters(llm) -> dict:
@@ -235,6 +244,13 @@ def ours_for_exports(cfg: DictConfig, exports: list[Export], prompts: list[list[
     return results
 
 
+def exported_aux_layers(export: Export) -> list[int] | None:
+    """The EAGLE-3 layer ids an export's config.json gives vLLM (None for Medusa)."""
+    config = json.loads((export.folder / "config.json").read_text())
+    # An export from before the ids moved to the top level: vLLM's model runner V2 ignores them there.
+    return None if export.fmt == "medusa" else config.get("eagle_aux_hidden_state_layer_ids", [])
+
+
 def vllm_figures(run: dict, no_spec: list[list[int]]) -> dict:
     """Identity with the no-speculation output and the acceptance figures of one engine run."""
     if "error" in run:
@@ -317,8 +333,11 @@ def reports(check: TargetCheck, args) -> dict[Path, dict]:
             "k": args.k, "max_tokens": args.max_tokens, "prompt_ids": check.prompts, "definitions": DEFINITIONS,
             "engine_log": str(check.log), "no_spec": {k: runs[NO_SPEC][k] for k in ("tokens_per_s", "startup_s")},
             "ngram": ngram, "exports": {}})
+        exported = exported_aux_layers(e)
         report["exports"][e.fmt] = {
             "folder": str(e.folder), "method": METHODS[e.fmt], "k": e.k, "vllm": engine_side,
+            "aux_layers": {"exported": exported, "vllm": runs[str(e.folder)].get("aux_layers"),
+                           "match": exported is None or sorted(exported) == runs[str(e.folder)].get("aux_layers")},
             "ours": {key: value for key, value in mine.items() if key != "tokens"},
             "ours_prompts_same_tokens_as_vllm": sum(a == b for a, b in zip(mine["tokens"], no_spec, strict=True)),
             "tau_rel_diff": round(rel, 4) if rel is not None else None,
@@ -327,7 +346,7 @@ def reports(check: TargetCheck, args) -> dict[Path, dict]:
                                 and engine_side["tokens_per_pass"] > ngram["tokens_per_pass"]),
         }
     for report in out.values():
-        report["ok"] = ngram["identical_to_no_spec"] and all(x["vllm"]["identical_to_no_spec"]
+        report["ok"] = ngram["identical_to_no_spec"] and all(x["vllm"]["identical_to_no_spec"] and x["aux_layers"]["match"]
                                                              for x in report["exports"].values())
     return out
 
@@ -378,8 +397,9 @@ def check(args) -> int:
     print("reports: " + ", ".join(str(d / "export" / "vllm_check.json") for d in all_reports))
     failed = [f"{d.parent.name}/{d.name}" for d, r in all_reports.items() if not r["ok"]]
     if failed:
-        print(f"FAILED: speculative output differs from vLLM's own no-speculation output (or an engine run "
-              f"failed) in {failed}; see the reports", file=sys.stderr)
+        print(f"FAILED: speculative output differs from vLLM's own no-speculation output, vLLM tapped other layers "
+              f"than the export names (aux_layers), or an engine run failed, in {failed}; see the reports",
+              file=sys.stderr)
     return 1 if failed else 0
 
 

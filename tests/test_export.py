@@ -9,6 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
 
 from heads import MedusaConfig, MedusaHead, save_head
 from heads.eagle3 import KVCache
@@ -80,7 +81,9 @@ def test_eagle3_formats_names_shapes_dtypes_flags(eagle_export):
     assert vllm_cfg["vocab_size"] == target.config.vocab_size and vllm_cfg["num_hidden_layers"] == 1
     assert "embed_tokens.weight" not in vllm_t
     # Layer ids: vLLM = hidden state entering layer i (ours); SGLang = output of layer i (ours - 1).
-    assert vllm_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == ours
+    # vLLM's model runner V2 (its GPU default) reads the attribute of the draft's loaded config, nothing nested.
+    assert getattr(AutoConfig.from_pretrained(read(cfg, "vllm")[0]), "eagle_aux_hidden_state_layer_ids", None) == ours
+    assert "eagle_aux_hidden_state_layer_ids" not in vllm_cfg["eagle_config"]  # SGLang would read it as its own
     _, sglang_cfg, _ = read(cfg, "sglang")
     assert sglang_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in ours]
     _, spec_cfg, spec_t = read(cfg, "speculators")

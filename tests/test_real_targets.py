@@ -48,6 +48,26 @@ def test_twin_runs_every_stage_and_exports_completely(twin, head, tmp_path):
         check_tensors(fmt, tensors, expected_tensors(fmt, again), torch.bfloat16)
         vocab_rows = tensors["t2d"] if head == "eagle3" else tensors["lm_heads.0.weight"]
         assert vocab_rows.shape[0] == config.vocab_size
+        if head == "eagle3":
+            assert_layer_config_is_the_targets(cfg.model, config, fmt, json.loads((folder / "config.json").read_text()))
+
+
+def assert_layer_config_is_the_targets(preset, config, fmt: str, exported: dict) -> None:
+    """The exported draft layer's hyper-parameters and taps, from the preset itself (the import round trip
+    above reads them back from the same file, so it cannot see a wrong head_dim, rope_theta or tap)."""
+    layer = exported.get("transformer_layer_config", exported)
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rope_theta", "max_position_embeddings")
+    assert {k: layer[k] for k in keys} == {
+        **{k: preset[k] for k in keys}, "head_dim": preset.head_dim or preset.hidden_size // preset.num_attention_heads}
+    assert layer["rms_norm_eps"] == config.rms_norm_eps and layer["rope_scaling"] is None  # the head's plain RoPE
+    assert exported["target_hidden_size"] == preset.hidden_size
+    n = preset.num_hidden_layers
+    taps = [2, n // 2, n - 3]   # entering layer i; SGLang: output of layer i - 1
+    if fmt == "sglang":
+        assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in taps]
+    else:
+        assert exported["eagle_aux_hidden_state_layer_ids"] == taps
 
 
 def test_padded_twins_are_padded():

@@ -20,7 +20,10 @@ PIPELINE = ["tracking=none", "data.sources=[{type:builtin,limit:32}]", "data.reg
             "head.draft_vocab_size=2048", "train.max_steps=40", "train.lr=2e-3", "train.warmup_steps=4",
             "train.micro_batch_tokens=512", "train.max_minutes=null", "train.patience=1000", "train.eval_every=1000",
             "stages=[data,extract,train,export]"]
-HEADS = {"eagle3": ["head=eagle3", "head.ttt_steps=2"], "medusa": ["head=medusa"]}
+# Taps other than vLLM's defaults [2, N//2, N-3] = [2, 15, 27]: an export whose ids vLLM misses shows.
+TAPS = [2, 14, 26]
+HEADS = {"eagle3": ["head=eagle3", "head.ttt_steps=2", f"head.aux_layers=[{','.join(map(str, TAPS))}]"],
+         "medusa": ["head=medusa"]}
 FORMATS = {"eagle3": {"vllm", "speculators"}, "medusa": {"medusa"}}
 K = 3              # EAGLE-3 draft tokens per pass (Medusa: its number of heads)
 TOLERANCE = 0.10
@@ -65,6 +68,8 @@ def test_exports_run_in_vllm_like_in_our_decoder(vllm_env, tmp_path):
             ours, theirs, identical = x["ours"]["tau"], x["vllm"]["tau"], x["vllm"]["identical_to_no_spec"]
             print(f"{kind} {fmt}: vLLM tau {theirs}, our chain tau {ours}, identical {identical}")
             assert identical, f"{fmt}: vLLM's speculative output differs from its no-spec output"
+            assert x["aux_layers"] == ({"exported": None, "vllm": None, "match": True} if kind == "medusa" else
+                                       {"exported": TAPS, "vllm": TAPS, "match": True})
             heads = json.loads((Path(x["folder"]) / "config.json").read_text()).get("num_heads")
             assert x["k"] == (heads if kind == "medusa" else K)   # vLLM builds num_speculative_tokens Medusa heads
             # Both sides run the same greedy chain algorithm on the same prompt ids, so they differ only

@@ -131,11 +131,15 @@ def build(fmt: str, head, target: TargetWeights, cfg: DictConfig, dtype: torch.d
         return tensors, config
     ids = list(c.aux_layers)
     if fmt in ("vllm", "sglang"):
-        sglang_ids = [i - 1 for i in ids]  # SGLang: "output of layer i" = our index i + 1
         config = {"architectures": ["LlamaForCausalLMEagle3"], **eagle3_config_json(c, dname),
-                  "norm_before_residual": False,
-                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids if fmt == "vllm" else sglang_ids,
-                                   "use_aux_hidden_state": True}}
+                  "norm_before_residual": False, "eagle_config": {"use_aux_hidden_state": True}}
+        if fmt == "vllm":
+            # Top level: vLLM 0.32's model runner V2 (its default on GPUs) reads only this attribute of the
+            # draft's config (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py) and otherwise taps its defaults
+            # [2, N//2, N-3] with no error; only the V1 runner (CPU) also looked inside eagle_config.
+            config["eagle_aux_hidden_state_layer_ids"] = ids
+        else:  # SGLang reads eagle_config only; "output of layer i" = our index i + 1
+            config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in ids]
         return cast, config
     # speculators: layer names "layers.0.*", the target's embedding included.
     tensors = {k.replace("midlayer.", "layers.0."): v for k, v in cast.items()}
