@@ -281,6 +281,34 @@ def test_two_ranks_regenerate_what_one_process_does(tmp_path):
         assert d1[split]["input_ids"] == d2[split]["input_ids"]
 
 
+@pytest.mark.slow
+def test_two_ranks_answer_the_prompts_the_default_target_writes(tmp_path):
+    """The synth path with prompts kept (the tiny target above never ends a user turn): the real target writes
+    them once, under the synth cache's lock, and both ranks answer their share of the same prompts."""
+    deepspeed = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", "29682"]
+    args = ["tracking=none", "stages=[data]", "data.regen.dtype=float32", "data.regen.max_new_tokens=16",
+            "data.sources=[{type:synth,n:4,batch_size:4,max_new_tokens:48}]"]
+    cfgs = []
+    for launcher, root in (([sys.executable], tmp_path / "one"), (deepspeed, tmp_path / "two")):
+        proc = subprocess.run([*launcher, str(ROOT / "train/run.py"), *args, f"output_root={root}"],
+                              cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        cfgs.append(make_cfg([*args, f"output_root={root}"]))
+    from train.stages import stage_dir
+
+    synth = [{k: (s["kept"], s["attempts"]) for k, s in json.loads((stage_dir(c, "data") / "stats.json").read_text())[
+        "synth"].items()} for c in cfgs]
+    assert synth[0] == synth[1] and [kept for kept, _ in synth[0].values()] == [4]
+    caches = [cache_of(c) for c in cfgs]
+    users = [{k: [m["content"] for m in r["messages"] if m["role"] == "user"] for k, r in c.items()} for c in caches]
+    assert len(users[0]) == 4 and users[0] == users[1]      # the same prompts, each asked once
+    for cache in caches:
+        assert all(r["complete"] and r["messages"][-1]["role"] == "assistant" and r["new_tokens"] > 0
+                   for r in cache.values())
+    stats = json.loads((stage_dir(cfgs[1], "data") / "stats.json").read_text())["regeneration"]
+    assert stats["world_size"] == 2 and [s["generated"] > 0 for s in stats["per_rank"]] == [True, True]
+
+
 def vllm_cfg(root: Path, *extra: str):
     return make_cfg([f"output_root={root}", "data.sources=[{type:builtin,limit:6}]", "data.regen.max_new_tokens=24",
                      "data.regen.backend=vllm", "data.regen.concurrency=2", "data.regen.vllm.max_model_len=2048",
