@@ -103,7 +103,7 @@ def test_real_presets_get_gpu_scale_settings(model):
     assert cfg.head.ttt_steps == 7 and cfg.head.draft_vocab_size == 32768 and cfg.train.grad_accum_dtype == "fp32"
     assert cfg.eval.limit == 80
     demo = make_cfg([])  # the embedded default keeps the CPU demo's budget
-    assert demo.train.max_minutes and demo.head.ttt_steps == 3 and demo.eval.limit == 8
+    assert demo.train.max_minutes and demo.head.ttt_steps == 2 and demo.eval.limit == 8
     assert make_cfg([f"model={model}", "head.ttt_steps=5"]).head.ttt_steps == 5
 
 
