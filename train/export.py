@@ -129,7 +129,7 @@ def build(fmt: str, head, target: TargetWeights, cfg: DictConfig, dtype: torch.d
             "torch_dtype": dname,
         }
         return tensors, config
-    ids = list(c.aux_layers)
+    ids = _ids_in_file(fmt, c)
     if fmt in ("vllm", "sglang"):
         config = {"architectures": ["LlamaForCausalLMEagle3"], **eagle3_config_json(c, dname),
                   "norm_before_residual": False, "eagle_config": {"use_aux_hidden_state": True}}
@@ -138,8 +138,8 @@ def build(fmt: str, head, target: TargetWeights, cfg: DictConfig, dtype: torch.d
             # draft's config (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py) and otherwise taps its defaults
             # [2, N//2, N-3] with no error; only the V1 runner (CPU) also looked inside eagle_config.
             config["eagle_aux_hidden_state_layer_ids"] = ids
-        else:  # SGLang reads eagle_config only; "output of layer i" = our index i + 1
-            config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in ids]
+        else:  # SGLang reads eagle_config only, in its convention (_ids_in_file)
+            config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
         return cast, config
     # speculators: layer names "layers.0.*", the target's embedding included.
     tensors = {k.replace("midlayer.", "layers.0."): v for k, v in cast.items()}
@@ -410,6 +410,7 @@ def portable(text: str, cfg: DictConfig) -> str:
 
 
 def _ids_in_file(fmt: str, c: Eagle3Config) -> list[int]:
+    """The aux layer ids as the format's config.json holds them: SGLang's "output of layer i" = our index i + 1."""
     return [i - 1 for i in c.aux_layers] if fmt == "sglang" else list(c.aux_layers)
 
 
