@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -65,21 +66,37 @@ class CaptureWriter:
         self.tokens += sum(lengths)
 
 
+class OpenShards:
+    """``safe_open`` handles of the safetensors files in ``directory``, at most ``limit`` at once (the least
+    recently used one is dropped first). An open handle, and every tensor read from it, maps its whole file:
+    Linux allows a process ``vm.max_map_count`` (65,530 by default) mappings, an 8B run's extract stage writes
+    ~60k shards, and a rank that kept them all open would die mid-epoch, and again after each resume."""
+
+    def __init__(self, directory: Path, limit: int = 256):
+        self.dir, self.limit = Path(directory), limit
+        self._open: OrderedDict[str, object] = OrderedDict()
+
+    def __call__(self, file: str):
+        handle = self._open.pop(file, None)
+        self._open[file] = handle = handle if handle is not None else safe_open(str(self.dir / file), framework="pt")
+        while len(self._open) > self.limit:
+            self._open.popitem(last=False)
+        return handle
+
+
 class CapturedStates:
     """Read access: the states of a conversation by prompt key, for rows whose tokens they cover."""
 
     def __init__(self, directory: Path, layers: list[int], dtype: str, target: str):
         self.dir = Path(directory)
         self.index: dict[str, tuple[str, int, int]] = {}  # key -> (file, start, end); a later file wins
-        self._ids: dict[str, np.ndarray] = {}
-        self._open: dict[str, object] = {}
+        self.files = OpenShards(self.dir)
         files = sorted(self.dir.glob("part-*.safetensors"), key=lambda p: p.name) if self.dir.is_dir() else []
         for path in files:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
                 if (json.loads(meta.get("layers", "null")), meta.get("dtype"), meta.get("target")) != (layers, dtype, target):
                     continue  # captured for another head, dtype or target
-                self._ids[path.name] = f.get_tensor("ids").numpy()
                 offsets = f.get_tensor("offsets").tolist()
             for j, key in enumerate(json.loads(meta["keys"])):
                 self.index[key] = (path.name, offsets[j], offsets[j + 1])
@@ -93,12 +110,11 @@ class CapturedStates:
             return False
         file, a, b = self.index[key]
         n = len(input_ids)
-        return n <= b - a and np.array_equal(self._ids[file][a: a + n], np.asarray(input_ids, dtype=np.int32))
+        return n <= b - a and np.array_equal(self.files(file).get_slice("ids")[a: a + n].numpy(),
+                                             np.asarray(input_ids, dtype=np.int32))
 
     def get(self, key: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden [length, n_layers, H], argmax [length] int32) of the first ``length`` captured tokens."""
         file, a, _ = self.index[key]
-        if file not in self._open:
-            self._open[file] = safe_open(str(self.dir / file), framework="pt")
-        f = self._open[file]
+        f = self.files(file)
         return f.get_slice("hidden")[a: a + length], f.get_slice("argmax")[a: a + length]

@@ -158,3 +158,31 @@ def test_own_data_with_the_defaults_gets_train_and_validation(tmp_path):
 
     ds = datasets.load_from_disk(str(tmp_path / "tiny-llama/eagle3/data/dataset"))
     assert len(ds["train"]) == 19 and len(ds["validation"]) == 1
+
+
+@pytest.mark.parametrize("env, device, gpus, error", [
+    ({"WORLD_SIZE": "2", "LOCAL_RANK": "1"}, "cuda:0", 8, "each rank takes the GPU of its LOCAL_RANK"),
+    ({"WORLD_SIZE": "8", "LOCAL_RANK": "3"}, "cuda", 1, "sees 1 GPU"),
+    ({"WORLD_SIZE": "8", "LOCAL_RANK": "3"}, "cuda", 8, None),
+    ({"WORLD_SIZE": "1", "LOCAL_RANK": "0"}, "cuda:2", 4, None),
+])
+def test_rank_binding_refuses_a_gpu_nccl_would_not_use(monkeypatch, env, device, gpus, error):
+    """Under a launcher DeepSpeed binds rank r's NCCL communicator to cuda:LOCAL_RANK: another index, or a
+    LOCAL_RANK beyond the GPUs the process sees (one GPU per process), is an error naming the fix, not a hang."""
+    import torch
+
+    from train import dist
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    if error:
+        with pytest.raises(UserError, match=error):
+            dist.bind_device(torch.device(device))
+        assert not made_current
+    else:
+        bound = dist.bind_device(torch.device(device))
+        expected = torch.device(device) if torch.device(device).index is not None else torch.device("cuda", 3)
+        assert bound == expected and made_current == [expected]

@@ -86,6 +86,32 @@ def test_target_loads_without_hub_kernels(monkeypatch):
     assert target.use_kernels is False
 
 
+def test_target_streams_onto_its_gpu(monkeypatch):
+    """On a GPU the target loads with a device_map onto this rank's GPU: without one transformers builds the whole
+    model in host RAM first (8 ranks x 15-16 GB for an 8B target). Not under ZeRO-3, which partitions at load time
+    and refuses a map; not on a CPU. (No GPU here: what reaches from_pretrained is recorded.)"""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    import train.target
+
+    asked = []
+
+    class Loaded(torch.nn.Module):
+        def to(self, *args, **kwargs):
+            return self
+
+    monkeypatch.setattr(train.target, "_from_pretrained", lambda factory, path, cfg, **kw: asked.append(kw) or Loaded())
+    cfg = make_cfg(["model=tiny-qwen2"])
+    gpu = torch.device("cuda", 3)
+    load_target(cfg, gpu, torch.bfloat16)
+    load_target(cfg, torch.device("cpu"), torch.float32)
+    keep = HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
+    load_target(cfg, gpu, torch.bfloat16)
+    del keep
+    assert [kw.get("device_map") for kw in asked] == [{"": gpu}, None, None]
+    assert all(kw["use_kernels"] is False for kw in asked)
+
+
 @pytest.mark.parametrize("twin", list(TWINS))
 def test_weights_read_from_files_equal_the_loaded_model(twin):
     """Train and export read three tensors from the checkpoint instead of loading the whole target."""

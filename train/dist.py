@@ -13,6 +13,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from train.errors import UserError
 
 # Collectives wait this long (``dist_timeout_minutes``) before failing; rank-0-only stages do not hold
 # a collective open (the other ranks wait on the stage's marker file, see train.stages).
@@ -41,9 +44,21 @@ def is_main() -> bool:
 
 
 def bind_device(device: torch.device) -> torch.device:
-    """This rank's device: ``cuda`` becomes ``cuda:LOCAL_RANK`` and is made current (before any NCCL call)."""
+    """This rank's device: ``cuda`` becomes ``cuda:LOCAL_RANK`` and is made current (before any NCCL call).
+    Under a launcher DeepSpeed binds each rank's NCCL communicator to ``cuda:LOCAL_RANK`` whatever ``device``
+    says, so another index (or a LOCAL_RANK beyond the visible GPUs) is refused before it can hang a collective."""
     if device.type == "cuda":
-        device = torch.device("cuda", device.index if device.index is not None else local_rank())
+        if world_size() > 1 and device.index not in (None, local_rank()):
+            raise UserError(f"device={device} with {world_size()} ranks: each rank takes the GPU of its LOCAL_RANK "
+                            "(DeepSpeed binds NCCL to it); use device=cuda or device=auto, and choose the GPUs "
+                            "with the launcher (deepspeed --include localhost:0,1 or CUDA_VISIBLE_DEVICES)")
+        index = device.index if device.index is not None else local_rank()
+        if index >= torch.cuda.device_count():
+            raise UserError(f"rank {rank()} wants cuda:{index} (LOCAL_RANK {local_rank()}) but this process sees "
+                            f"{torch.cuda.device_count()} GPU(s): launch at most that many ranks per node "
+                            "(deepspeed --num_gpus N), and let every rank of a node see all of its GPUs "
+                            "(no per-process CUDA_VISIBLE_DEVICES)")
+        device = torch.device("cuda", index)
         torch.cuda.set_device(device)
     return device
 
@@ -67,8 +82,18 @@ def init(device: torch.device, single: bool = False, timeout_minutes: float = DE
         ops = getattr(deepspeed.ops, "__compatible_ops__", None)
         if isinstance(ops, dict):
             ops[SHM_OP] = False
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
-                               timeout=timedelta(minutes=timeout_minutes))
+    timeout = timedelta(minutes=timeout_minutes)
+    # DeepSpeed makes its own groups (the gradient all-reduce runs on a clone of the world) without a timeout,
+    # and PyTorch gives those its module default (10 minutes on NCCL), not the one passed here.
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+
+
+def close() -> None:
+    """Leave the process group (NCCL warns about, and some releases stall on, communicators left at exit).
+    Only once every rank is past its last collective: after a failure the launcher stops the ranks."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def free_port() -> int:

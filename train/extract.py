@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from data.captured import CapturedStates, keeps_states
+from data.captured import CapturedStates, OpenShards, keeps_states
 from data.stage import load_dataset, row_lengths
 from heads.io import head_config
 from train import dist
@@ -360,12 +360,10 @@ class Captures:
                 rows, offsets = f.get_tensor("row_index").tolist(), f.get_tensor("offsets").tolist()
             for j, r in enumerate(rows):
                 self.index[shard["split"]][r] = (shard["file"], offsets[j], offsets[j + 1])
-        self._open: dict[str, object] = {}
+        self.files = OpenShards(self.dir)
 
     def get(self, split: str, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden [length, n_layers, H], full-vocabulary target argmax [length]) of one row."""
         file, a, b = self.index[split][row]
-        if file not in self._open:
-            self._open[file] = safe_open(str(self.dir / file), framework="pt")
-        f = self._open[file]
+        f = self.files(file)
         return f.get_slice("hidden")[a:b], f.get_slice("argmax")[a:b]

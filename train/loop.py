@@ -389,7 +389,7 @@ def setup_process(cfg: DictConfig) -> tuple[torch.device, torch.dtype]:
     check_train_memory(cfg, device)  # before anything is loaded: refuses when the estimate exceeds free memory
     if tcfg.num_threads:
         torch.set_num_threads(tcfg.num_threads)
-    elif dist.world_size() > 1 and device.type == "cpu":
+    elif dist.world_size() > 1:  # the node's cores shared by its ranks (GPU ranks build batches on them)
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size()))))
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)

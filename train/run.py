@@ -58,6 +58,7 @@ def run(cfg: DictConfig) -> None:
         run_stages(cfg)
     finally:
         finish()
+    dist.close()
 
 
 def debug(cfg: DictConfig | None = None) -> bool:

@@ -209,9 +209,10 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
         raise ValueError(f"Unknown stage(s) {unknown}; valid stages, in order: {ORDER}")
     results = {}
     for name in [s for s in ORDER if s in cfg.stages]:
-        fp = fingerprint(cfg, name)
-        marker = read_marker(cfg, name)
-        if marker and marker.get("fingerprint") == fp and name not in cfg.force:
+        # Rank 0 decides for all: ranks that disagreed (a run directory on NFS with stale attributes) would pair
+        # the barriers of different stages, or wait for a marker of another fingerprint.
+        fp, marker = dist.broadcast(_up_to_date(cfg, name) if dist.is_main() else None)
+        if marker:
             log(f"[{name}] up to date in {stage_dir(cfg, name)}; skipped")
             results[name] = marker
             continue
@@ -247,6 +248,12 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
         log(f"[{name}] done in {marker['wall_s']} s")
         results[name] = marker
     return results
+
+
+def _up_to_date(cfg: DictConfig, name: str) -> tuple[str, dict | None]:
+    """(stage ``name``'s fingerprint now, its marker when that is current and the stage is not forced)."""
+    fp, marker = fingerprint(cfg, name), read_marker(cfg, name)
+    return fp, marker if marker and marker.get("fingerprint") == fp and name not in cfg.force else None
 
 
 def release_memory() -> None:
@@ -314,7 +321,10 @@ class Pulse:
         self.path, self.stale_s, self.last, self.since = path, stale_s, None, time.monotonic()
 
     def stopped(self) -> bool:
-        beat = self.path.read_text() if self.path.exists() else None
+        try:
+            beat = self.path.read_text()
+        except FileNotFoundError:  # not yet written, or removed as its stage ends
+            beat = None
         if beat != self.last:
             self.last, self.since = beat, time.monotonic()
         return time.monotonic() - self.since > self.stale_s

@@ -246,11 +246,18 @@ def load_config(cfg: DictConfig):
 
 def load_target(cfg: DictConfig, device: torch.device | None = None, dtype: torch.dtype | None = None):
     """Frozen target in eval mode on ``device`` with ``dtype`` (defaults from ``cfg.device``/``cfg.dtype``)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
     device = device or resolve_device(cfg.device)
     dtype = dtype or resolve_dtype(cfg.dtype, device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    # On a GPU the weights stream onto it: without a device_map transformers builds the whole model in host RAM
+    # first, 8 ranks x 15-16 GB at once for an 8B target (ZeRO-3 partitions at load time and refuses a map).
+    placed = {"device_map": {"": device}} if device.type == "cuda" and not is_deepspeed_zero3_enabled() else {}
     # use_kernels=False: transformers >= 5.2x otherwise swaps layers for Hub kernels by default (fetched at run
     # time, other numerics; without the `kernels` package on a GPU it refuses to load: seen on an H200).
-    model = _from_pretrained(AutoModelForCausalLM, target_path(cfg), cfg, dtype=dtype, use_kernels=False)
+    model = _from_pretrained(AutoModelForCausalLM, target_path(cfg), cfg, dtype=dtype, use_kernels=False, **placed)
     model.to(device).eval().requires_grad_(False)
     return model
 
