@@ -21,6 +21,7 @@ from transformers import DynamicCache
 from eval.drafters import Drafter
 from eval.sampling import Sampling, accept
 from eval.tree import DraftTree
+from train.errors import ConfigError
 from train.kvcache import kv_cache
 
 # Bumped when a change to the decoder changes its timings: cached plain / n-gram records and verify times
@@ -62,7 +63,16 @@ class SpecDecoder:
         self.target = target
         self.device = next(target.parameters()).device
         self.eos = set(eos_token_ids)
-        self.eager = target.config._attn_implementation == "eager"
+        impl = target.config._attn_implementation
+        if impl not in ("sdpa", "eager"):  # transformers passes our 4D tree mask on to the kernel as it is
+            raise ConfigError(f"the decoder verifies trees with a 4D attention mask, which needs the target's "
+                              f"attn_implementation to be sdpa or eager, not {impl!r} (flash attention reads it as "
+                              "padding, flex attention adds it to the scores: not lossless)")
+        self.eager = impl == "eager"
+        if self.device.type == "cuda":
+            # PyTorch picks cuDNN attention first on Hopper/Blackwell (cuDNN > 9.15), which builds a plan for each
+            # new key length: every decode step, verify and draft step would pay one (~20-40 ms), timed as decoding.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         head = target.get_output_embeddings()
         self.plain_head = type(target).__name__ in PLAIN_HEAD and getattr(head, "bias", None) is None
         self.lm_head = head.weight

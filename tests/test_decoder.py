@@ -479,3 +479,16 @@ def test_default_target_greedy_lossless(default_cfg):
         assert decoder.generate(ids, build_drafter("plain", None, 0, eval_cfg()), NEW_TOKENS).tokens == reference
         for method, drafter in drafters.items():
             assert decoder.generate(ids, drafter, NEW_TOKENS).tokens == reference, method
+
+
+@pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention"])
+def test_decoder_refuses_an_attention_that_would_not_apply_the_tree_mask(impl):
+    """transformers hands the tree's 4D mask to the kernel as it is: flash attention reads it as padding, flex
+    attention adds the booleans to the scores (nothing masked, not lossless). Only sdpa and eager verify trees."""
+    from types import SimpleNamespace
+
+    from train.errors import ConfigError
+
+    target = SimpleNamespace(config=SimpleNamespace(_attn_implementation=impl), parameters=lambda: iter([torch.zeros(1)]))
+    with pytest.raises(ConfigError, match=f"sdpa or eager, not '{impl}'"):
+        SpecDecoder(target)
