@@ -1,7 +1,7 @@
 """Decode benchmark: what speculation costs and gains on this machine.
 
     .venv/bin/python scripts/bench_decode.py [--run-dir outputs/smollm2-135m/eagle3] [--prompts 4]
-        [--model tiny-llama] [--head medusa] [--max-new-tokens 64] [key=value ...]
+        [--model tiny-llama] [--head medusa] [--max-new-tokens 64] [--cudnn-attention] [key=value ...]
 
 Prints (1) the target's verify time against the number of tree tokens, (2) per-step draft times of a
 head (the trained one under ``<run-dir>/train/head``, else a random-weight one) and of the n-gram
@@ -9,6 +9,8 @@ drafter, (3) tau / tokens/s / speedup over plain decoding, greedy, on a few buil
 Extra ``key=value`` arguments are Hydra overrides of conf/config.yaml (e.g. ``eval.tree.total_tokens=8``,
 ``eval.num_threads=1`` on a machine shared with other jobs, ``eval.dtype=bfloat16``). The target decodes in
 the eval stage's precision (``eval.dtype``; ``auto`` may time float32 against bfloat16 first).
+``--cudnn-attention`` (GPU) decodes with cuDNN attention, which the decoder switches off (a plan built per key
+length): run it with and without to see what that costs on the machine at hand.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--model", help="model preset (conf/model/*.yaml); default: the config's")
     parser.add_argument("--head", help="head preset (eagle3 | medusa) of the random head without --run-dir")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--cudnn-attention", action="store_true", help="GPU: decode with cuDNN attention on")
     return parser.parse_known_args()
 
 
@@ -66,8 +69,12 @@ def main() -> None:
         source = "random-weight head"
     kind = head_type(head)
     decoder = SpecDecoder(target, eos_token_ids(target, tokenizer))
+    if args.cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(True)
     prompts = load_prompts(cfg)
     print(f"target {cfg.model.name} on {target.device} ({target.dtype}); {kind} {source}; {len(prompts)} prompts")
+    if target.device.type == "cuda":
+        print(f"cuDNN {torch.backends.cudnn.version()}, cuDNN attention {torch.backends.cuda.cudnn_sdp_enabled()}")
 
     tree = size_tree(cfg, decoder, head, tokenizer)
     print(f"\nverify time vs tree tokens (context {cfg.eval.tree.context} tokens):")

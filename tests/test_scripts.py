@@ -94,7 +94,7 @@ def test_bench_decode_eagle3():
 @pytest.mark.slow
 def test_bench_decode_medusa():
     out = run_script("bench_decode.py", "--model", "tiny-llama", "--head", "medusa", "--prompts", "1",
-                     "--max-new-tokens", "8", "eval.tree.sizes=[1,2,4]", "head.draft_vocab_size=64")
+                     "--max-new-tokens", "8", "--cudnn-attention", "eval.tree.sizes=[1,2,4]", "head.draft_vocab_size=64")
     assert "Medusa tree:" in out and re.search(r"^\s+medusa-tree\s+[\d.]+", out, re.M), out
 
 
