@@ -206,7 +206,8 @@ def fold_parts(path: Path) -> int:
 def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path, poll_s: float = 2.0,
                        stale_s: float | None = None) -> dict | None:
     """``hf`` regeneration split across the ranks; rank 0 merges the parts into ``path`` (see module doc). Rank 0
-    stops when a rank that has not finished stops beating (``stale_s``: :class:`train.stages.Pulse`)."""
+    stops when a rank that has not finished stops beating (``stale_s``), or beats without progress for
+    ``dist_timeout_minutes`` (:class:`train.stages.Pulse`)."""
     from train.stages import ALIVE, STALE_S, Pulse, stage_dir
     from train.target import load_target, regen_dtype
 
@@ -242,7 +243,8 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
         return None
 
     rank_done = {}
-    pulses = {r: Pulse(stage_dir(cfg, "data") / f"{ALIVE}.rank{r}", stale_s or STALE_S) for r in range(1, world)}
+    pulses = {r: Pulse(stage_dir(cfg, "data") / f"{ALIVE}.rank{r}", stale_s or STALE_S, 60 * cfg.dist_timeout_minutes)
+              for r in range(1, world)}
     start = time.time()
     while len(rank_done) < world:
         for r in sorted(set(range(world)) - set(rank_done)):
@@ -252,8 +254,8 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
                                  f"(answers written so far are kept in {r_part}; a rerun resumes)")
             if r_done.exists():
                 rank_done[r] = json.loads(r_done.read_text())
-            elif pulses[r].stopped():
-                raise RegenError(pulses[r].error(f"rank {r}", f"regenerating its share into {r_part}"))
+            elif why := pulses[r].problem(f"rank {r}", f"regenerating its share into {r_part}"):
+                raise RegenError(why)
         if len(rank_done) < world:
             time.sleep(poll_s)
     log(f"[data] every rank has regenerated its share; merging {world} parts into {path} "

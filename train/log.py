@@ -14,11 +14,26 @@ def log(msg: str, *args) -> None:
         logger.info(msg, *args)
 
 
+# Steps of every progress bar of this process, shown or not: what its heartbeat reports (train.stages.heartbeat),
+# so that a rank waiting on this one tells a hung process (beating, no progress) from a busy one.
+STEPS = [0]
+
+
 def progress(iterable=None, **kwargs):
-    """A tqdm progress bar shown on rank 0 only."""
+    """A tqdm progress bar shown on rank 0 only; every rank's bars count into :data:`STEPS`."""
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, disable=not dist.is_main(), dynamic_ncols=True, **kwargs)
+    class Bar(tqdm):
+        def update(self, n=1):
+            STEPS[0] += 1
+            return super().update(n)
+
+        def __iter__(self):
+            for item in super().__iter__():
+                STEPS[0] += 1
+                yield item
+
+    return Bar(iterable, disable=not dist.is_main(), dynamic_ncols=True, **kwargs)
 
 
 def peak_rss_gib() -> float:

@@ -289,8 +289,11 @@ def _write_marker(cfg: DictConfig, name: str, fp: str, start: float, out: dict |
 
 @contextmanager
 def heartbeat(path: Path, every_s: float) -> Iterator[None]:
-    """While the block runs, rewrite ``path`` with a rising counter every ``every_s`` seconds (a daemon thread):
-    the ranks waiting for this one see it is alive (:class:`Pulse`)."""
+    """While the block runs, rewrite ``path`` with a rising counter and this process's progress-bar steps
+    (``train.log.STEPS``) every ``every_s`` seconds (a daemon thread): the ranks waiting for this one see it is
+    alive, and whether it is getting anywhere (:class:`Pulse`)."""
+    from train.log import STEPS
+
     stop = threading.Event()
 
     def beat() -> None:
@@ -298,7 +301,7 @@ def heartbeat(path: Path, every_s: float) -> Iterator[None]:
         while True:
             count += 1
             tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(str(count))
+            tmp.write_text(f"{count} {STEPS[0]}")
             os.replace(tmp, path)
             if stop.wait(every_s):
                 return
@@ -314,37 +317,50 @@ def heartbeat(path: Path, every_s: float) -> Iterator[None]:
 
 
 class Pulse:
-    """Whether the heartbeat file ``path`` (:func:`heartbeat`) has stopped changing for ``stale_s`` seconds of
-    this process's clock (no clock is shared with the writer, which may be on another node)."""
+    """Whether the process beating ``path`` (:func:`heartbeat`) has stopped (its heartbeat unchanged for
+    ``stale_s`` seconds: killed) or hangs (beating, but its progress bars still for ``stall_s`` seconds: a
+    stuck GPU, file system or lock), on this process's clock (no clock is shared with the writer, which may be
+    on another node)."""
 
-    def __init__(self, path: Path, stale_s: float = STALE_S):
-        self.path, self.stale_s, self.last, self.since = path, stale_s, None, time.monotonic()
+    def __init__(self, path: Path, stale_s: float = STALE_S, stall_s: float | None = None):
+        self.path, self.stale_s, self.stall_s = path, stale_s, stall_s
+        self.last = self.steps = None
+        self.since = self.moved = time.monotonic()
 
-    def stopped(self) -> bool:
+    def problem(self, who: str, what: str) -> str | None:
+        """Why to stop waiting for ``who`` (doing ``what``), or None while it is alive and getting anywhere."""
         try:
             beat = self.path.read_text()
         except FileNotFoundError:  # not yet written, or removed as its stage ends
             beat = None
+        now = time.monotonic()
         if beat != self.last:
-            self.last, self.since = beat, time.monotonic()
-        return time.monotonic() - self.since > self.stale_s
-
-    def error(self, who: str, what: str) -> str:
-        return (f"{who} stopped {what}: its heartbeat {self.path} has not changed for {self.stale_s:.0f} s (killed? out "
-                "of host memory? see its log and the kernel's); this rank stops too. A rerun resumes")
+            self.last, self.since = beat, now
+            steps = (beat or "").partition(" ")[2]
+            if steps != self.steps:
+                self.steps, self.moved = steps, now
+        if now - self.since > self.stale_s:
+            return (f"{who} stopped {what}: its heartbeat {self.path} has not changed for {self.stale_s:.0f} s "
+                    "(killed? out of host memory? see its log and the kernel's); this rank stops too. A rerun resumes")
+        if self.stall_s is not None and now - self.moved > self.stall_s:
+            return (f"{who} is alive but has made no progress {what} for {self.stall_s:.0f} s "
+                    "(dist_timeout_minutes): hung on a GPU, a file system or a lock? `py-spy dump --pid <its pid>` shows "
+                    "where; this rank stops too. A rerun resumes")
+        return None
 
 
 def wait_for_marker(cfg: DictConfig, name: str, fp: str, poll_s: float = 2.0, stale_s: float = STALE_S) -> dict:
-    """Wait (polling the shared run directory) until rank 0 has finished stage ``name``; raise if it failed, or
-    if its heartbeat has stopped (:class:`Pulse`): rank 0 was killed without a word (the kernel's out-of-memory
-    killer, a lost node), which a launcher on another node does not see, and this rank would wait forever."""
-    pulse = Pulse(stage_dir(cfg, name) / ALIVE, stale_s)
+    """Wait (polling the shared run directory) until rank 0 has finished stage ``name``; raise if it failed, if
+    its heartbeat has stopped, or if it beats without progress for ``dist_timeout_minutes`` (:class:`Pulse`):
+    rank 0 was killed without a word (the kernel's out-of-memory killer, a lost node), which a launcher on
+    another node does not see, or hangs, and this rank would wait forever."""
+    pulse = Pulse(stage_dir(cfg, name) / ALIVE, stale_s, 60 * cfg.dist_timeout_minutes)
     while True:
         marker = read_marker(cfg, name)
         if marker and marker.get("fingerprint") == fp:
             return marker
         if (stage_dir(cfg, name) / FAILED).exists():
             raise RuntimeError(f"stage {name!r} failed on rank 0 (see its log); this rank stops too")
-        if pulse.stopped():
-            raise RuntimeError(pulse.error("rank 0", f"working on stage {name!r}"))
+        if why := pulse.problem("rank 0", f"working on stage {name!r}"):
+            raise RuntimeError(why)
         time.sleep(poll_s)
