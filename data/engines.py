@@ -207,7 +207,7 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
                        stale_s: float | None = None) -> dict | None:
     """``hf`` regeneration split across the ranks; rank 0 merges the parts into ``path`` (see module doc). Rank 0
     stops when a rank that has not finished stops beating (``stale_s``), or beats without progress for
-    ``dist_timeout_minutes`` (:class:`train.stages.Pulse`)."""
+    ``hang_minutes`` (:class:`train.stages.Pulse`)."""
     from train.stages import ALIVE, STALE_S, Pulse, stage_dir
     from train.target import load_target, regen_dtype
 
@@ -243,7 +243,7 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
         return None
 
     rank_done = {}
-    pulses = {r: Pulse(stage_dir(cfg, "data") / f"{ALIVE}.rank{r}", stale_s or STALE_S, 60 * cfg.dist_timeout_minutes)
+    pulses = {r: Pulse(stage_dir(cfg, "data") / f"{ALIVE}.rank{r}", stale_s or STALE_S, 60 * cfg.hang_minutes)
               for r in range(1, world)}
     start = time.time()
     while len(rank_done) < world:

@@ -418,14 +418,14 @@ def test_validation_rows_are_dealt_among_the_ranks_once_each_with_balanced_token
 
 def test_a_waiting_rank_stops_when_rank0_stops_beating_or_hangs(tmp_path):
     """The other ranks wait for a rank-0-only stage's marker as long as rank 0's heartbeat changes (here past
-    the staleness limit) and its progress bars move (here past dist_timeout_minutes), and stop with an error naming
+    the staleness limit) and its progress bars move (here past hang_minutes), and stop with an error naming
     it once it no longer beats (rank 0 killed without a word, which a launcher on another node does not see) or
     beats without progress (hung: its heartbeat thread alone runs)."""
     import threading
 
     from train.log import progress
 
-    cfg = OmegaConf.create({"run_dir": str(tmp_path), "dist_timeout_minutes": 0.01})   # 0.6 s
+    cfg = OmegaConf.create({"run_dir": str(tmp_path), "hang_minutes": 0.01})   # 0.6 s
     folder = stage_dir(cfg, "eval")
     folder.mkdir()
     done = lambda: (folder / stages.MARKER).write_text(json.dumps({"fingerprint": "fp"}))  # noqa: E731
@@ -446,7 +446,7 @@ def test_a_waiting_rank_stops_when_rank0_stops_beating_or_hangs(tmp_path):
         time.sleep(0.4)   # the worker's last steps
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=r"rank 0 is alive but has made no progress working on stage 'eval' "
-                                               r"for 1 s \(dist_timeout_minutes\): hung .* A rerun resumes"):
+                                               r"for 1 s \(hang_minutes\): hung .* A rerun resumes"):
             stages.wait_for_marker(cfg, "eval", "fp", poll_s=0.02, stale_s=0.3)
         assert time.monotonic() - start > 0.55
     with pytest.raises(RuntimeError, match=r"rank 0 stopped working on stage 'eval': its heartbeat .*_alive has not "

@@ -344,17 +344,17 @@ class Pulse:
                     "(killed? out of host memory? see its log and the kernel's); this rank stops too. A rerun resumes")
         if self.stall_s is not None and now - self.moved > self.stall_s:
             return (f"{who} is alive but has made no progress {what} for {self.stall_s:.0f} s "
-                    "(dist_timeout_minutes): hung on a GPU, a file system or a lock? `py-spy dump --pid <its pid>` shows "
+                    "(hang_minutes): hung on a GPU, a file system or a lock? `py-spy dump --pid <its pid>` shows "
                     "where; this rank stops too. A rerun resumes")
         return None
 
 
 def wait_for_marker(cfg: DictConfig, name: str, fp: str, poll_s: float = 2.0, stale_s: float = STALE_S) -> dict:
     """Wait (polling the shared run directory) until rank 0 has finished stage ``name``; raise if it failed, if
-    its heartbeat has stopped, or if it beats without progress for ``dist_timeout_minutes`` (:class:`Pulse`):
+    its heartbeat has stopped, or if it beats without progress for ``hang_minutes`` (:class:`Pulse`):
     rank 0 was killed without a word (the kernel's out-of-memory killer, a lost node), which a launcher on
     another node does not see, or hangs, and this rank would wait forever."""
-    pulse = Pulse(stage_dir(cfg, name) / ALIVE, stale_s, 60 * cfg.dist_timeout_minutes)
+    pulse = Pulse(stage_dir(cfg, name) / ALIVE, stale_s, 60 * cfg.hang_minutes)
     while True:
         marker = read_marker(cfg, name)
         if marker and marker.get("fingerprint") == fp:
