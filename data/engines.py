@@ -402,6 +402,7 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
     log(f"[data] regenerating {len(state)} conversations ({total_turns} answers) via {client.base} "
         f"(model {client.model!r}, {concurrency} at once); {stats['cached']} cached in {path}")
     lock, stop = threading.Lock(), threading.Event()  # the tokenizer is not thread-safe: used under the lock
+    text_only: list[bool] = []  # warned that the server gives text only
     bar = progress(total=total_turns, desc="regenerate", unit="answer")
     start = time.time()
 
@@ -428,6 +429,10 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
                         new = new[:-1]
                     text, n = tokenizer.decode(new, skip_special_tokens=True), len(new)
                 else:
+                    if not text_only:
+                        text_only.append(True)
+                        log("[data] warning: the server returns no answer token ids (return_token_ids: vLLM, SGLang "
+                            ">= 0.5.23); answers are kept as text and re-tokenised, which can give other ids")
                     text = choice.get("text", "")
                     n = int(choice["usage"].get("completion_tokens", 0)) - int(hit_eos)
                 row["messages"] += [row["users"][turn], {"role": "assistant", "content": text}]
@@ -579,6 +584,10 @@ class VLLMServer:
 
     def __enter__(self) -> VLLMServer:
         cmd = self.command()
+        with socket.socket() as s:  # a server already there would answer our requests: another model, maybe
+            if s.connect_ex((self.host, self.port)) == 0:
+                raise RegenError(f"{self.host}:{self.port} already has a server (data.regen.vllm.port): stop it, "
+                                 "or leave the port null (a free one is picked)")
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "w") as logf:
             logf.write("$ " + " ".join(cmd) + "\n")

@@ -33,11 +33,12 @@ class Stub:
     """An OpenAI-compatible /v1 server in a thread: /models, /completions answered by ``model``'s greedy
     generation from the prompt token ids. ``fail_after`` requests then HTTP 500; ``delay_s`` per request;
     ``max_model_len``: listed, and a prompt + max_tokens beyond it is HTTP 400 (SGLang); ``abort``: the n-th
-    request's answer ends with finish_reason "abort" (a server stopping)."""
+    request's answer ends with finish_reason "abort" (a server stopping); ``tokenizer``: answers as text only
+    (a server without return_token_ids)."""
 
     def __init__(self, model, eos: set[int], pad_id: int, fail_after: int | None = None, delay_s: float = 0.0,
-                 max_model_len: int | None = None, abort: int | None = None):
-        self.model, self.eos, self.pad_id = model, eos, pad_id
+                 max_model_len: int | None = None, abort: int | None = None, tokenizer=None):
+        self.model, self.eos, self.pad_id, self.tokenizer = model, eos, pad_id, tokenizer
         self.fail_after, self.delay_s, self.max_model_len, self.abort = fail_after, delay_s, max_model_len, abort
         self.requests: list[dict] = []
         self.lock = threading.Lock()
@@ -74,8 +75,9 @@ class Stub:
                 time.sleep(stub.delay_s)
                 ids = new + ([min(stub.eos)] if hit_eos else [])
                 reason = "abort" if n == stub.abort else "stop" if hit_eos else "length"
-                self.reply(200, {"choices": [{"text": "(ignored: token_ids given)", "token_ids": ids,
-                                              "finish_reason": reason}],
+                answer = ({"text": stub.tokenizer.decode(new)} if stub.tokenizer else
+                          {"text": "(ignored: token_ids given)", "token_ids": ids})
+                self.reply(200, {"choices": [{**answer, "finish_reason": reason}],
                                  "usage": {"completion_tokens": len(ids)}})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -301,6 +303,35 @@ def test_vllm_server_serves_the_pinned_revision(tmp_path):
     cmd = VLLMServer(make_cfg([*base, "model.revision=0123abc"]), tmp_path / "log").command()
     assert cmd[cmd.index("--revision") + 1] == cmd[cmd.index("--tokenizer-revision") + 1] == "0123abc"
     assert "--revision" not in VLLMServer(make_cfg(base), tmp_path / "log").command()
+
+
+def test_a_server_without_answer_ids_is_named_once(tiny, tmp_path, caplog):
+    """A server that ignores return_token_ids gives text, which the data stage re-tokenises (other ids are possible):
+    said once in the log, and the answers are kept."""
+    _, tok, rcfg, eos = tiny
+    stub = stub_for(tiny, tokenizer=tok)
+    try:
+        with caplog.at_level("INFO", logger="specheads"):
+            regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl", OpenAIClient(stub.url, None, 30, 0), eos)
+    finally:
+        stub.close()
+    assert sum("returns no answer token ids" in r.message for r in caplog.records) == 1
+    assert all(r["complete"] for r in read_cache(tmp_path / "c.jsonl").values())
+
+
+def test_vllm_backend_refuses_a_port_with_a_server(tmp_path):
+    """A fixed data.regen.vllm.port where a server already listens: our requests would go to it (another model,
+    maybe), not to the vLLM we start."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        cfg = make_cfg(["model=tiny-llama", f"output_root={tmp_path}", "data.regen.backend=vllm",
+                        f"data.regen.vllm.port={busy.getsockname()[1]}", "data.regen.vllm.python=/nonexistent/bin/python"])
+        with pytest.raises(RegenError, match=r"127.0.0.1:\d+ already has a server .*leave the port null"):
+            with VLLMServer(cfg, tmp_path / "vllm_server.log"):
+                pass
 
 
 def test_vllm_backend_names_a_bad_interpreter(tmp_path):
