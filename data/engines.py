@@ -130,7 +130,7 @@ def _regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Pat
     with VLLMServer(cfg, log_file) as server:
         client = OpenAIClient(server.url, SERVED_NAME, rcfg.timeout_s, rcfg.retries)
         stats = regenerate_openai(convs, tokenizer, rcfg, system_prompt, path, client, eos, cfg.data.max_length,
-                                  rcfg.concurrency or 64 * server.gpus or 16)
+                                  rcfg.concurrency or 64 * server.gpus)
     return {"backend": "vllm", "server_log": str(log_file), **stats}
 
 
@@ -354,8 +354,9 @@ class OpenAIClient:
     def complete(self, ids: list[int], rcfg, eos: set[int], seed: int) -> dict:
         """One answer: the first choice of ``/completions`` for the prompt token ids, with ``usage``; at most
         what the server's context leaves (SGLang refuses a prompt + max_tokens beyond it, vLLM cuts)."""
+        model = self.resolve_model()
         room = self.max_model_len - len(ids) if self.max_model_len else rcfg.max_new_tokens
-        body = {"model": self.resolve_model(), "prompt": ids, "max_tokens": int(min(rcfg.max_new_tokens, room)),
+        body = {"model": model, "prompt": ids, "max_tokens": int(min(rcfg.max_new_tokens, room)),
                 "temperature": float(rcfg.temperature), "top_p": float(rcfg.top_p), "n": 1, "stream": False,
                 # what the hf backend does: no top-k/min-p/penalties (whatever the model's generation
                 # config proposes), stop at exactly its EOS ids
@@ -384,10 +385,10 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
                       concurrency: int | None = None) -> dict:
     """Fill ``path`` like :func:`data.regenerate.regenerate`, through an OpenAI-compatible server.
 
-    ``concurrency`` (default: ``data.regen.concurrency``, else 16) conversations are in flight at once; each
-    runs its user turns in order (its own earlier answers in the context). Every finished turn is appended and fsync'ed at once. On the first
-    error no new conversation starts, the ones in flight finish (or fail) and the error is raised: what was
-    written stays, and a rerun resumes from it. A conversation whose next prompt reaches ``max_length`` tokens
+    ``concurrency`` (else ``data.regen.concurrency``, else 16) conversations are in flight at once; each
+    runs its user turns in order (its own earlier answers in the context). Every finished turn is appended and
+    fsync'ed at once. On the first error no new conversation starts, the ones in flight finish (or fail) and the
+    error is raised: what was written stays, and a rerun resumes from it. A conversation whose next prompt reaches ``max_length`` tokens
     ends there (:func:`data.regenerate.cut_at_length`), before the server is asked, and so does one whose prompt
     fills the server's context; answers get at most the room the context leaves. An answer the server ended
     otherwise than by a stop or the length (``abort``: a server stopped or restarted) is an error, not data.
@@ -402,11 +403,12 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
     log(f"[data] regenerating {len(state)} conversations ({total_turns} answers) via {client.base} "
         f"(model {client.model!r}, {concurrency} at once); {stats['cached']} cached in {path}")
     lock, stop = threading.Lock(), threading.Event()  # the tokenizer is not thread-safe: used under the lock
-    text_only: list[bool] = []  # warned that the server gives text only
+    warned_text_only = False  # that the server gives answers as text only
     bar = progress(total=total_turns, desc="regenerate", unit="answer")
     start = time.time()
 
     def converse(row: dict, f) -> None:
+        nonlocal warned_text_only
         for turn in range(_answered(row), len(row["users"])):
             if stop.is_set():
                 return
@@ -429,8 +431,8 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
                         new = new[:-1]
                     text, n = tokenizer.decode(new, skip_special_tokens=True), len(new)
                 else:
-                    if not text_only:
-                        text_only.append(True)
+                    if not warned_text_only:
+                        warned_text_only = True
                         log("[data] warning: the server returns no answer token ids (return_token_ids: vLLM, SGLang "
                             ">= 0.5.23); answers are kept as text and re-tokenised, which can give other ids")
                     text = choice.get("text", "")
