@@ -42,6 +42,8 @@ from data.captured import CaptureWriter, keeps_states
 from data.formats import DataError, prompt_key
 from data.regenerate import (
     _answered,
+    add_answer,
+    answer_room,
     cache_line,
     cut_at_length,
     eos_ids,
@@ -351,12 +353,15 @@ class OpenAIClient:
             self.max_model_len = int(served[0].get("max_model_len") or 0) if served else 0
         return self.model
 
-    def complete(self, ids: list[int], rcfg, eos: set[int], seed: int) -> dict:
+    def complete(self, ids: list[int], rcfg, eos: set[int], seed: int, max_length: int | None = None) -> dict:
         """One answer: the first choice of ``/completions`` for the prompt token ids, with ``usage``; at most
-        what the server's context leaves (SGLang refuses a prompt + max_tokens beyond it, vLLM cuts)."""
+        :func:`data.regenerate.answer_room` tokens and what the server's context leaves (SGLang refuses a prompt
+        + max_tokens beyond it, vLLM cuts)."""
         model = self.resolve_model()
-        room = self.max_model_len - len(ids) if self.max_model_len else rcfg.max_new_tokens
-        body = {"model": model, "prompt": ids, "max_tokens": int(min(rcfg.max_new_tokens, room)),
+        room = answer_room(len(ids), rcfg.max_new_tokens, max_length)
+        if self.max_model_len:
+            room = min(room, self.max_model_len - len(ids))
+        body = {"model": model, "prompt": ids, "max_tokens": int(room),
                 "temperature": float(rcfg.temperature), "top_p": float(rcfg.top_p), "n": 1, "stream": False,
                 # what the hf backend does: no top-k/min-p/penalties (whatever the model's generation
                 # config proposes), stop at exactly its EOS ids
@@ -372,6 +377,11 @@ class OpenAIClient:
             raise RegenError(f"{self.base}/completions answered without choices: {str(out)[:500]}") from None
         choice["usage"] = out.get("usage") or {}
         return choice
+
+
+def _visible(text: str) -> str:
+    """``text`` without whitespace and replacement characters (detokenisers differ there, not elsewhere)."""
+    return "".join(text.split()).replace("\ufffd", "")
 
 
 def request_seed(seed: int, key: str, turn: int) -> int:
@@ -390,8 +400,10 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
     fsync'ed at once. On the first error no new conversation starts, the ones in flight finish (or fail) and the
     error is raised: what was written stays, and a rerun resumes from it. A conversation whose next prompt reaches ``max_length`` tokens
     ends there (:func:`data.regenerate.cut_at_length`), before the server is asked, and so does one whose prompt
-    fills the server's context; answers get at most the room the context leaves. An answer the server ended
-    otherwise than by a stop or the length (``abort``: a server stopped or restarted) is an error, not data.
+    fills the server's context; answers get at most the room the context leaves, and no more than
+    :func:`data.regenerate.answer_room` (``max_length``). An answer the server ended otherwise than by a stop or
+    the length (``abort``: a server stopped or restarted) is an error, not data, and so is a first answer whose
+    text is not its token ids decoded by the target's tokenizer (a server of another model).
     """
     state, stats = pending(convs, system_prompt, path, max_length)
     if not state:
@@ -404,6 +416,21 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
         f"(model {client.model!r}, {concurrency} at once); {stats['cached']} cached in {path}")
     lock, stop = threading.Lock(), threading.Event()  # the tokenizer is not thread-safe: used under the lock
     warned_text_only = False  # that the server gives answers as text only
+    tokenizer_checked = False  # an answer's text was its token ids decoded here
+
+    def check_tokenizer(ours: str, served: str | None) -> None:
+        """The first answer's text against its token ids decoded here, before anything is written: on the
+        target's tokenizer they agree (up to spacing and a cut character), on another model's they differ."""
+        nonlocal tokenizer_checked
+        if tokenizer_checked or served is None:
+            return
+        if _visible(ours) != _visible(served):
+            raise RegenError(
+                f"the server at {client.base} (model {client.model!r}) does not use the target's tokenizer "
+                f"({getattr(tokenizer, 'name_or_path', '?')}): an answer's text differs from its token ids decoded "
+                f"here ({served[:60]!r} vs {ours[:60]!r}), so it read our prompt ids as other words. Serve the "
+                "target itself, or point data.regen.url (and data.regen.model) at the server that does")
+        tokenizer_checked = True
     bar = progress(total=total_turns, desc="regenerate", unit="answer")
     start = time.time()
 
@@ -419,7 +446,7 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
                     f.flush()
                     bar.update(len(row["users"]) - turn)
                     return
-            choice = client.complete(ids, rcfg, eos, request_seed(rcfg.seed, row["key"], turn))
+            choice = client.complete(ids, rcfg, eos, request_seed(rcfg.seed, row["key"], turn), max_length)
             if choice.get("finish_reason") not in ("stop", "length"):
                 raise RegenError(f"the server ended an answer with finish_reason {choice.get('finish_reason')!r} "
                                  "(stopped or restarted?); that turn was not written")
@@ -430,6 +457,7 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
                     if hit_eos and new and new[-1] in eos:
                         new = new[:-1]
                     text, n = tokenizer.decode(new, skip_special_tokens=True), len(new)
+                    check_tokenizer(text, choice.get("text"))
                 else:
                     if not warned_text_only:
                         warned_text_only = True
@@ -437,10 +465,8 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
                             ">= 0.5.23); answers are kept as text and re-tokenised, which can give other ids")
                     text = choice.get("text", "")
                     n = int(choice["usage"].get("completion_tokens", 0)) - int(hit_eos)
-                row["messages"] += [row["users"][turn], {"role": "assistant", "content": text}]
-                row["truncated"] |= not hit_eos
-                row["new_tokens"] += n
-                row["complete"] = _answered(row) == len(row["users"])
+                add_answer(row, {"role": "assistant", "content": text}, n, hit_eos, len(ids), rcfg.max_new_tokens,
+                           max_length)
                 stats["new_tokens"] += n
                 f.write(cache_line(row))
                 f.flush()

@@ -8,7 +8,9 @@ prompts last instead of shrinking to its longest answer.
 Results are appended to a cache file keyed by the target and the generation settings, every batch_size
 finished answers: a crash loses at most that many, a rerun continues, and every head of the same target
 reuses the file. Line: ``{"key", "messages", "new_tokens", "truncated", "complete"}`` (the last line of a key
-wins; a multi-turn conversation is complete once every user turn has its answer).
+wins; a multi-turn conversation is complete once every user turn has its answer), and for a conversation
+ended at ``data.max_length``: ``cut_at_length`` (that length) and ``capped`` (its last answer was stopped there,
+not by the target or ``max_new_tokens``: that answer's token count).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from train.errors import UserError
 from train.kvcache import join, joinable, kv_cache
 from train.log import log, progress
 from train.losses import full_argmax
+
+CAP_MARGIN = 16  # answer tokens generated past data.max_length (answer_room)
 
 
 def next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
@@ -67,7 +71,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[
 def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, refill: int, max_new_tokens: int,
            eos_ids: set[int], pad_id: int, temperature: float = 0.0, top_p: float = 1.0,
            generator: torch.Generator | None = None, layers: list[int] | None = None,
-           tail: Tail | None = None) -> Iterator[list[tuple[Hashable, Answer]]]:
+           tail: Tail | None = None, max_length: int | None = None) -> Iterator[list[tuple[Hashable, Answer]]]:
     """Continuous batching: answers the ``(job, prompt ids)`` of ``queue``, yielding the jobs that finished
     after each step. The caller may append to ``queue`` between yields (a conversation's next turn).
 
@@ -83,6 +87,7 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
     the tokens the chat template puts after the answer (end of turn, ...); they are fed one per step, so
     ``states`` covers the whole rendered conversation. ``tail`` returning None drops the row's states.
     Sampling draws only for rows still answering: the answers are the same with or without ``layers``.
+    With ``max_length`` an answer gets at most :func:`answer_room` tokens (the data stage keeps no more).
     """
     device = next(model.parameters()).device
     run = partial(model, use_cache=True, logits_to_keep=1, output_hidden_states=layers or None)
@@ -90,6 +95,7 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
     cache = mask = positions = logits = None
     room = max_new_tokens + 16  # KV positions past the prompts: the answer + the template's tail
     answers: dict[Hashable, list[int]] = {}  # jobs still answering
+    limits: dict[Hashable, int] = {}  # job -> most tokens its answer gets
     ended: dict[Hashable, tuple[Answer, list[int]]] = {}  # job -> its answer, template tokens still to feed
     kept: dict[Hashable, list[torch.Tensor] | None] = {}
     while True:
@@ -104,6 +110,7 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
             out = run(ids, attention_mask=new_mask, position_ids=new_positions, cache=new_cache)
             new_jobs = [job for job, _ in new]
             answers.update((job, []) for job in new_jobs)
+            limits.update((job, answer_room(len(p), max_new_tokens, max_length)) for job, p in new)
             kept.update((job, [] if layers else None) for job in new_jobs)
             _keep(kept, new_jobs, out, layers, [len(p) for _, p in new])
             if jobs:
@@ -125,15 +132,16 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
                 hit_eos = tok in eos_ids
                 if not hit_eos:
                     answers[job].append(tok)
-                if not hit_eos and len(answers[job]) < max_new_tokens:
+                if not hit_eos and len(answers[job]) < limits[job]:
                     feed.append(tok)
                     continue
                 more = tail(job, answers[job]) if tail and kept[job] is not None else []
                 if more is None:  # states not wanted
                     kept[job], more = None, []
-                elif not hit_eos and kept[job] is not None:  # cut at max_new_tokens: the last token's state too
+                elif not hit_eos and kept[job] is not None:  # cut at its limit: the last token's state too
                     more = [tok, *more]
                 ended[job] = Answer(answers.pop(job), hit_eos), more
+                del limits[job]
             answer, more = ended[job]
             if more:
                 feed.append(more.pop(0))
@@ -224,6 +232,8 @@ def pending(convs: list[dict], system_prompt: str | None, path: Path,
         row = done.get(key) or {"key": key, "messages": [m for m in messages if m["role"] == "system"],
                                 "new_tokens": 0, "truncated": False, "complete": False}
         row.pop("cut_at_length", None)
+        if "capped" in row:  # its last answer stopped at a smaller max_length: that turn is asked again
+            row["messages"], row["new_tokens"] = row["messages"][:-2], row["new_tokens"] - row.pop("capped")
         row["users"] = [m for m in messages if m["role"] == "user"]
         row["complete"] = False
         state[key] = row
@@ -281,13 +291,11 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
     with open(path, "a", encoding="utf-8") as f, _on_out_of_memory(rcfg.batch_size, path, flush):
         for finished in stream(model, queue, rcfg.batch_size, refill, rcfg.max_new_tokens, eos, tokenizer.pad_token_id,
                                rcfg.temperature, rcfg.top_p, generator, capture.layers if capture else None,
-                               partial(_template_tail, tokenizer, state, prompts, fulls)):
+                               partial(_template_tail, tokenizer, state, prompts, fulls), max_length):
             for key, a in finished:
                 r = state[key]
-                r["messages"] += [r["users"][_answered(r)], _assistant(tokenizer, a.tokens)]
-                r["truncated"] |= not a.hit_eos
-                r["new_tokens"] += len(a.tokens)
-                r["complete"] = _answered(r) == len(r["users"])
+                add_answer(r, _assistant(tokenizer, a.tokens), len(a.tokens), a.hit_eos, len(prompts[key]),
+                           rcfg.max_new_tokens, max_length)
                 stats["new_tokens"] += len(a.tokens)
                 if a.states is not None:
                     captured.append((key, a))
@@ -343,6 +351,30 @@ def _flush(f, lines: list[str], capture: CaptureWriter | None, captured: list[tu
     captured.clear()
 
 
+def answer_room(prompt_len: int, max_new_tokens: int, max_length: int | None) -> int:
+    """The most tokens an answer to a prompt of ``prompt_len`` tokens gets: ``max_new_tokens``, and no more than
+    reach ``CAP_MARGIN`` tokens past ``max_length`` (``data.max_length``), where the data stage cuts every
+    conversation: a 7-8B target's 2048-token answers to the later turns of long conversations were mostly
+    generated to be dropped. The margin keeps the template's end of turn past ``max_length`` when the answer's
+    text is tokenised again (it can take a few tokens fewer than were generated)."""
+    return max_new_tokens if max_length is None else max(1, min(max_new_tokens, max_length + CAP_MARGIN - prompt_len))
+
+
+def add_answer(row: dict, answer: dict, n: int, hit_eos: bool, prompt_len: int, max_new_tokens: int,
+               max_length: int | None) -> None:
+    """Append the next turn of conversation ``row``: its user message and ``answer`` (the assistant message,
+    ``n`` tokens, ``hit_eos`` when the target ended it). An answer stopped at its :func:`answer_room` below
+    ``max_new_tokens`` is ``capped`` (``n`` noted): the conversation ends there (complete, ``cut_at_length``: the
+    data stage keeps nothing past it), and a run with a larger ``max_length`` asks that turn again (:func:`pending`)."""
+    capped = not hit_eos and n < max_new_tokens and max_length is not None and prompt_len + n >= max_length
+    row["messages"] += [row["users"][_answered(row)], answer]
+    row["truncated"] |= not hit_eos and not capped
+    row["new_tokens"] += n
+    row["complete"] = _answered(row) == len(row["users"])
+    if capped:
+        row["complete"], row["cut_at_length"], row["capped"] = True, max_length, n
+
+
 def cut_at_length(row: dict, prompt: list[int], max_length: int | None) -> bool:
     """End conversation ``row`` here (complete, ``cut_at_length`` noted) when its next ``prompt`` already fills
     ``max_length`` tokens: the data stage would drop every answer token past it, and a server would refuse a
@@ -376,6 +408,7 @@ def _template_tail(tokenizer, state: dict[str, dict], prompts: dict[str, list[in
 
 
 def _assistant(tokenizer, answer: list[int]) -> dict:
+    """The assistant message of ``answer``'s token ids (as text: the cache and the data stage's templates use text)."""
     return {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}
 
 

@@ -14,13 +14,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from data.engines import OpenAIClient, RegenError, VLLMServer, regenerate_openai
-from data.regenerate import eos_ids, generate, read_cache, regenerate
+from data.regenerate import CAP_MARGIN, eos_ids, generate, read_cache, regenerate
 from data.template import prompt_ids
 from tests.conftest import ROOT, LoggedRun, child_env, make_cfg
 from train.target import load_target, load_tokenizer
@@ -33,12 +35,13 @@ class Stub:
     """An OpenAI-compatible /v1 server in a thread: /models, /completions answered by ``model``'s greedy
     generation from the prompt token ids. ``fail_after`` requests then HTTP 500; ``delay_s`` per request;
     ``max_model_len``: listed, and a prompt + max_tokens beyond it is HTTP 400 (SGLang); ``abort``: the n-th
-    request's answer ends with finish_reason "abort" (a server stopping); ``tokenizer``: answers as text only
-    (a server without return_token_ids)."""
+    request's answer ends with finish_reason "abort" (a server stopping). Answers carry their token ids and their
+    text, ``text(ids)``; ``text_only``: the text alone (a server without return_token_ids)."""
 
-    def __init__(self, model, eos: set[int], pad_id: int, fail_after: int | None = None, delay_s: float = 0.0,
-                 max_model_len: int | None = None, abort: int | None = None, tokenizer=None):
-        self.model, self.eos, self.pad_id, self.tokenizer = model, eos, pad_id, tokenizer
+    def __init__(self, model, eos: set[int], pad_id: int, text: Callable[[list[int]], str],
+                 fail_after: int | None = None, delay_s: float = 0.0, max_model_len: int | None = None,
+                 abort: int | None = None, text_only: bool = False):
+        self.model, self.eos, self.pad_id, self.text, self.text_only = model, eos, pad_id, text, text_only
         self.fail_after, self.delay_s, self.max_model_len, self.abort = fail_after, delay_s, max_model_len, abort
         self.requests: list[dict] = []
         self.lock = threading.Lock()
@@ -75,8 +78,7 @@ class Stub:
                 time.sleep(stub.delay_s)
                 ids = new + ([min(stub.eos)] if hit_eos else [])
                 reason = "abort" if n == stub.abort else "stop" if hit_eos else "length"
-                answer = ({"text": stub.tokenizer.decode(new)} if stub.tokenizer else
-                          {"text": "(ignored: token_ids given)", "token_ids": ids})
+                answer = {"text": stub.text(new)} | ({} if stub.text_only else {"token_ids": ids})
                 self.reply(200, {"choices": [{**answer, "finish_reason": reason}],
                                  "usage": {"completion_tokens": len(ids)}})
 
@@ -108,6 +110,7 @@ def reference(tiny, tmp_path_factory):
 
 def stub_for(tiny, **kw) -> Stub:
     model, tok, _, eos = tiny
+    kw.setdefault("text", partial(tok.decode, skip_special_tokens=True))
     return Stub(model, eos, tok.pad_token_id, **kw)
 
 
@@ -232,6 +235,49 @@ def test_a_conversation_ends_where_its_prompt_fills_max_length(tiny, reference, 
     assert read_cache(hf) == reference
 
 
+def test_answers_stop_where_max_length_cuts(tiny, tmp_path):
+    """An answer gets no more tokens than reach data.max_length (+ CAP_MARGIN): the data stage drops the rest
+    (2048-token answers to the later turns of long conversations). Such a capped answer ends its conversation
+    (cut_at_length), the same in both backends; a run with a larger max_length asks that turn again and gets
+    what a run without the cap wrote."""
+    model, tok, rcfg, eos = tiny
+    rcfg = rcfg.copy()
+    rcfg.max_new_tokens = 40
+    limit = max(len(prompt_ids(tok, c["messages"][:1])) for c in CONVS) + 4   # room for 20 new tokens at most
+    hf, oa, full = tmp_path / "hf.jsonl", tmp_path / "oa.jsonl", tmp_path / "full.jsonl"
+    regenerate(CONVS, model, tok, rcfg, None, full)
+    regenerate(CONVS, model, tok, rcfg, None, hf, max_length=limit)
+    stub = stub_for(tiny)
+    try:
+        regenerate_openai(CONVS, tok, rcfg, None, oa, OpenAIClient(stub.url, None, 30, 0), eos, limit)
+    finally:
+        stub.close()
+    capped = read_cache(hf)
+    assert capped == read_cache(oa)
+    assert all(len(r["prompt"]) + r["max_tokens"] == limit + CAP_MARGIN for r in stub.requests)
+    long_answers = {k for k, r in read_cache(full).items()
+                    if len(tok(r["messages"][1]["content"], add_special_tokens=False)["input_ids"]) > 30}
+    assert long_answers and {k for k, r in capped.items() if r.get("capped")} == long_answers
+    assert all(r["complete"] and r["cut_at_length"] == limit and not r["truncated"]
+               for k, r in capped.items() if k in long_answers)
+    assert regenerate(CONVS, model, tok, rcfg, None, hf, max_length=limit)["generated"] == 0   # resumed: done
+    assert regenerate(CONVS, model, tok, rcfg, None, hf, max_length=4096)["generated"] >= len(long_answers)
+    assert read_cache(hf) == read_cache(full)
+
+
+def test_a_server_of_another_model_is_refused(tiny, tmp_path):
+    """A server whose tokenizer is not the target's reads our prompt ids as other words: its first answer's text
+    differs from its ids decoded here, and the run stops before any answer is written."""
+    _, tok, rcfg, eos = tiny
+    stub = stub_for(tiny, text=lambda ids: "".join(chr(0x4E00 + i) for i in ids))   # another vocabulary
+    try:
+        with pytest.raises(RegenError, match="does not use the target's tokenizer"):
+            regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl", OpenAIClient(stub.url, None, 30, 0), eos)
+    finally:
+        stub.close()
+    assert not read_cache(tmp_path / "c.jsonl")
+
+
 def test_answers_fit_the_servers_context(tiny, reference, tmp_path):
     """The server's context (its /models max_model_len) bounds each request: max_tokens shrinks to the room the
     prompt leaves (SGLang refuses more with a 400 that stopped the run, and every rerun), and a conversation whose
@@ -309,7 +355,7 @@ def test_a_server_without_answer_ids_is_named_once(tiny, tmp_path, caplog):
     """A server that ignores return_token_ids gives text, which the data stage re-tokenises (other ids are possible):
     said once in the log, and the answers are kept."""
     _, tok, rcfg, eos = tiny
-    stub = stub_for(tiny, tokenizer=tok)
+    stub = stub_for(tiny, text_only=True)
     try:
         with caplog.at_level("INFO", logger="specheads"):
             regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl", OpenAIClient(stub.url, None, 30, 0), eos)
