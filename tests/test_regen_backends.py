@@ -341,6 +341,9 @@ def test_vllm_server_uses_every_gpu_with_a_gpu_build(tmp_path, args, gpus, cpu_b
         return
     cmd = server.command()
     assert cmd[len(cmd) - len(args) - len(added):] == [*args, *added] and server.gpus == used
+    # the GPU build through `vllm serve` (an API server per replica), the CPU build through its only working entry
+    assert cmd[1:4] == (["-m", "vllm.entrypoints.openai.api_server", "--model"] if cpu_build else
+                        ["-m", "vllm.entrypoints.cli.main", "serve"])
 
 
 def test_vllm_server_serves_the_pinned_revision(tmp_path):
