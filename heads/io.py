@@ -47,13 +47,17 @@ def save_head(head: nn.Module, path: str | Path) -> None:
     (path / "head_config.json").write_text(json.dumps(meta, indent=2))
 
 
+def load_head_config(path: str | Path) -> tuple[str, Eagle3Config | MedusaConfig]:
+    """(type, config) of the head saved in ``path``, without its weights."""
+    meta = json.loads((Path(path) / "head_config.json").read_text())
+    return meta["type"], KINDS[meta["type"]][0](**meta["config"])
+
+
 def load_head(path: str | Path, target=None) -> nn.Module:
     """Rebuild a saved head; with ``target`` (a model or :class:`TargetWeights`), copy the target's
     embedding into an EAGLE-3 head."""
     path = Path(path)
-    meta = json.loads((path / "head_config.json").read_text())
-    config_cls, _ = KINDS[meta["type"]]
-    head = build_head(meta["type"], config_cls(**meta["config"]))
+    head = build_head(*load_head_config(path))
     missing, unexpected = head.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
     missing = [k for k in missing if not k.startswith("embed_tokens.")]
     if missing or unexpected:

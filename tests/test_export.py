@@ -299,6 +299,10 @@ def test_cards_carry_hub_metadata_and_no_local_path(cfg_factory):
         assert metrics["builtin", "speedup"].metric_value == 2.0
         assert "eagle3-tree" in metrics["builtin", "speedup"].metric_name
         assert metrics["humaneval", "speedup"].metric_value == 2.4
+        # what the engines run (one drafted path) beside the recommended method, where it was measured
+        assert metrics["builtin", "chain_acceptance_length"].metric_value == 2.2
+        assert "eagle3-chain: what the engines run" in metrics["builtin", "chain_speedup"].metric_name
+        assert ("humaneval", "chain_speedup") not in metrics
         vllm_tau = [r for r in card.data.eval_results if r.metric_name.startswith("tau in vllm")]
         assert [r.metric_value for r in vllm_tau] == ([] if fmt == "speculators" else [2.31])
         text = (folder / "README.md").read_text()
@@ -346,12 +350,20 @@ def test_target_name_never_a_local_path(tmp_path):
 
 
 def test_publish_fills_the_placeholder_repo_in_the_uploaded_card(cfg_factory):
+    """The uploaded card is made at publish time: it names publish.repo_id (the export's card, written without
+    one, names a placeholder) and carries a vLLM check run after the export."""
     cfg = export_with_report(cfg_factory)   # exported without publish.repo_id: placeholder in the card
     folder = stage_dir(cfg, "export") / "vllm"
     assert "<your-hf-user>/tiny-llama-eagle3-vllm" in (folder / "README.md").read_text()
+    assert "tau in vllm" not in (folder / "README.md").read_text()
+    check = {"train_output": "test", "engine": "vllm 0.32.0", "dtype": "float32",
+             "ngram": {"tau": 2.49, "tokens_per_pass": 1.26},
+             "exports": {"vllm": {"folder": "/x/export/vllm", "k": 3, "vllm": {"tau": 2.31, "tokens_per_pass": 2.32}}}}
+    (stage_dir(cfg, "export") / "vllm_check.json").write_text(json.dumps(check))   # scripts/vllm_check.py, later
     cfg = OmegaConf.merge(cfg, {"stages": ["publish"], "publish": {"repo_id": "someone/tiny-eagle3", "dry_run": True}})
     card = run_stages(cfg)["publish"]["outputs"]["card"]
     assert '"model": "someone/tiny-eagle3"' in card and "<your-hf-user>" not in card and "is a placeholder" not in card
+    assert "tau in vllm 0.32.0 (k=3" in card and "2.32 tokens with this head, 1.26 with vLLM's n-gram" in card
 
 
 def test_publish_refuses_a_card_with_a_local_path(eagle_export):

@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 
-from heads import Eagle3Config, Eagle3Head, MedusaConfig, MedusaHead, load_head
+from heads import Eagle3Config, Eagle3Head, MedusaConfig, MedusaHead, load_head, load_head_config
 from heads.frozen import TargetWeights
 from train.errors import UserError
 from train.log import log
@@ -266,10 +266,11 @@ def serve_commands(fmt: str, path: str, cfg: DictConfig) -> str:
             f"'{{\"method\": \"eagle3\", \"model\": \"{path}\", \"num_speculative_tokens\": {k}}}'")
 
 
-def card_results(fmt: str, report: dict | None, vllm_check: dict | None) -> list[dict]:
+def card_results(fmt: str, report: dict | None, vllm_check: dict | None, chain: str = "") -> list[dict]:
     """Measured figures for the card's model-index: per dataset and temperature (all categories), tau and
-    speedup of the recommended method (else the fastest lossless head method), and vLLM's own tau for
-    this export when scripts/vllm_check.py has checked it."""
+    speedup of the recommended method (else the fastest lossless head method) and of the ``chain`` method (what
+    the engines run: one drafted path of eval.chain_k tokens) when it is another, and vLLM's own tau for this
+    export when scripts/vllm_check.py has checked it."""
     out = []
     if report:
         recs = {(r["dataset"], r["temperature"]): r.get("method") for r in report.get("recommendations", [])
@@ -280,10 +281,15 @@ def card_results(fmt: str, report: dict | None, vllm_check: dict | None) -> list
             mine = [r for r in rows if (r["dataset"], r["temperature"]) == key]
             best = next((r for r in mine if r["method"] == recs.get(key)), None) or max(mine, key=lambda r: r["speedup"])
             where = f"{report.get('device')}, {report.get('dtype')}"
-            out += [{"dataset": key[0], "metric": "acceptance_length", "value": round(float(best["tau"]), 3),
-                     "name": f"tau ({best['method']}, T={key[1]}, specheads decoder, {where})"},
-                    {"dataset": key[0], "metric": "speedup", "value": round(float(best["speedup"]), 3),
-                     "name": f"speedup over plain decoding ({best['method']}, T={key[1]}, {where})"}]
+            k = (report.get("tree") or {}).get("chain_k")
+            engines = f"{f' k={k}' if k else ''}: what the engines run"
+            for r in [best, *(r for r in mine if r["method"] == chain != best["method"])]:
+                what = f"{r['method']}{engines if r['method'] == chain else ''}, T={key[1]}"
+                kind = "chain_" if r is not best else ""   # one value per (dataset, metric type) on the Hub
+                out += [{"dataset": key[0], "metric": f"{kind}acceptance_length", "value": round(float(r["tau"]), 3),
+                         "name": f"tau ({what}, specheads decoder, {where})"},
+                        {"dataset": key[0], "metric": f"{kind}speedup", "value": round(float(r["speedup"]), 3),
+                         "name": f"speedup over plain decoding ({what}, {where})"}]
     if vllm_check:
         x = checked_export(fmt, vllm_check)
         tau = (x or {}).get("vllm", {}).get("tau")
@@ -315,14 +321,13 @@ def format_name(x: dict) -> str:
     return Path(str(x.get("folder", "?"))).name
 
 
-def model_card(fmt: str, cfg: DictConfig, head, report: dict | None, train_summary: dict | None,
-               vllm_check: dict | None = None) -> str:
-    """The export's README.md: Hub metadata (base_model, library_name, tags, license, model-index with
-    the measured acceptance and speedup) and a body whose commands name the target's Hub id and the
-    draft's Hub repo -- no local path (``path`` is ignored: kept for callers)."""
+def model_card(fmt: str, cfg: DictConfig, c: Eagle3Config | MedusaConfig, report: dict | None,
+               train_summary: dict | None, vllm_check: dict | None = None) -> str:
+    """The export's README.md for head config ``c``: Hub metadata (base_model, library_name, tags, license,
+    model-index with the measured acceptance and speedup) and a body whose commands name the target's Hub id
+    and the draft's Hub repo -- no local path."""
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-    c = head.config
     draft, draft_note = draft_repo(cfg, fmt)
     target, t_note = target_name(cfg), target_note(cfg)
     head_tag = cfg.head.type  # eagle3 | medusa
@@ -333,7 +338,7 @@ def model_card(fmt: str, cfg: DictConfig, head, report: dict | None, train_summa
         tags.append("speculators")
     if fmt == "sglang":
         tags.append("sglang")
-    results = card_results(fmt, report, vllm_check)
+    results = card_results(fmt, report, vllm_check, f"{head_tag}-chain")
     model_name = f"{cfg.model.name}-{head_tag}-{fmt}"
     data = ModelCardData(
         base_model=str(cfg.model.hub_id) if cfg.model.hub_id else None,
@@ -438,6 +443,20 @@ def measurements(cfg: DictConfig) -> tuple[dict | None, dict | None]:
     return report, check
 
 
+def train_summary(cfg: DictConfig) -> dict | None:
+    """The train stage's summary.json (best validation figures), None without one."""
+    path = stage_dir(cfg, "train") / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def current_card(cfg: DictConfig, fmt: str) -> str:
+    """The card of export ``fmt`` from what is measured now: the publish stage uploads it, so that a
+    scripts/vllm_check.py run after the export (or a newer eval of the same head) is in the published card."""
+    _, config = load_head_config(stage_dir(cfg, "train") / "head")
+    report, check = measurements(cfg)
+    return model_card(fmt, cfg, config, report, train_summary(cfg), check)
+
+
 def run(cfg: DictConfig) -> dict:
     require(cfg, "train")
     out = stage_dir(cfg, "export")
@@ -450,8 +469,6 @@ def run(cfg: DictConfig) -> dict:
     if bad:
         raise ExportError(f"formats {bad} do not apply to a {cfg.head.type} head (valid: {FORMATS[cfg.head.type]})")
     dtype = getattr(torch, cfg.export.dtype)
-    summary_path = stage_dir(cfg, "train") / "summary.json"
-    train_summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     report, vllm_check = measurements(cfg)
     written = {}
     for fmt in formats:
@@ -463,7 +480,7 @@ def run(cfg: DictConfig) -> dict:
         tmp.mkdir(parents=True)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        (tmp / "README.md").write_text(model_card(fmt, cfg, head, report, train_summary, vllm_check))
+        (tmp / "README.md").write_text(model_card(fmt, cfg, head.config, report, train_summary(cfg), vllm_check))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         written[fmt] = str(final)

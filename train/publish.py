@@ -3,8 +3,9 @@
 Only the files of that export folder are sent -- never training data, hidden states, checkpoints or
 optimizer state. ``publish.dry_run=true`` lists exactly what would be sent and sends nothing. A
 missing token, a missing export, a malformed repo id or a local path in the card or config.json is an
-error before anything is sent. The model card's placeholder repo (``<your-hf-user>/...``, written when
-``publish.repo_id`` was unset at export time) is replaced by ``publish.repo_id`` in the uploaded copy.
+error before anything is sent. The uploaded model card is made again at publish time: it names
+``publish.repo_id`` (the export's card names a placeholder when that was unset) and carries what is measured
+now (a scripts/vllm_check.py run after the export included).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from train.errors import UserError
-from train.export import FORMATS, draft_repo, portable
+from train.export import FORMATS, current_card, portable
 from train.log import log
 from train.stages import require, stage_dir
 
@@ -46,15 +47,12 @@ def local_paths(folder: Path, cfg: DictConfig) -> list[str]:
 
 
 def published_card(folder: Path, cfg: DictConfig, fmt: str) -> str | None:
-    """The card as uploaded: the placeholder repo replaced by ``publish.repo_id`` (None: no card)."""
-    card = folder / "README.md"
-    if not card.exists():
+    """The card as uploaded (None: the folder has none): made again from what is measured now, naming
+    ``publish.repo_id`` as the draft's repo (the folder's card may name a placeholder, and lack a vLLM check
+    run after the export)."""
+    if not (folder / "README.md").exists():
         return None
-    placeholder, _ = draft_repo(OmegaConf.merge(cfg, {"publish": {"repo_id": None}}), fmt)
-    text = card.read_text()
-    lines = [line for line in text.splitlines(keepends=True)
-             if not (line.startswith("Note: ") and f"`{placeholder}` is a placeholder" in line)]
-    return "".join(lines).replace(placeholder, str(cfg.publish.repo_id))
+    return current_card(OmegaConf.merge(cfg, {"publish": {"format": fmt}}), fmt)
 
 
 def resolve_token(pcfg: DictConfig) -> str | None:
