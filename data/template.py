@@ -18,7 +18,15 @@ sequences (``tokenize_conversation``) and evaluation prompts (``prompt_ids``) ag
 Such templates rewrite history (earlier assistant turns lose their ``<think>`` block), so a render up
 to an earlier turn is not a prefix of the whole conversation. For those turns the mask covers the
 turn's final answer as the template renders it in the conversation (reasoning of earlier turns is
-not in the sequence at all, as the target never sees it) and the end-of-turn token after it.
+not in the sequence at all, as the target never sees it; an answer that was all reasoning leaves its
+end-of-turn token) and the end-of-turn token after it. Text the template injects before an answer
+(Qwen3's empty ``<think>`` block before a last answer that has none) is not trained on.
+
+Checked against the real templates of Qwen2.5-7B-Instruct, Qwen3-8B and Llama-3.1-8B-Instruct
+(``tests/fixtures/templates``). Known limits: Llama 3.1 trims answers (their leading and trailing
+whitespace is not trained); the sequence is the rendered text tokenized once, so a real BPE vocabulary can
+merge an answer's first characters with the header's last ones (e.g. two newlines) into one token that is
+then not trained on.
 """
 
 from __future__ import annotations
@@ -99,19 +107,25 @@ def tokenize_conversation(tokenizer, messages: list[dict], thinking: bool | None
         before = render(tokenizer, messages[:i], add_generation_prompt=True, thinking=thinking)
         upto = render(tokenizer, messages[: i + 1], thinking=thinking)
         if text.startswith(before) and text.startswith(upto):
-            spans.append((len(before), len(upto), False))
+            # Text the template puts between the generation prompt and the answer (Qwen3's empty <think> block
+            # before a last answer without one: a truncated reasoning, a dataset answer) is not the target's.
+            inner, content = upto[len(before):], m["content"]
+            injected = inner.rfind(content) if content and not inner.startswith(content) else -1
+            spans.append((len(before) + max(injected, 0), len(upto), False))
             continue
-        # A template that rewrites history (reasoning stripped from earlier turns): locate the turn's answer
-        # right after the history before it.
+        # A template that rewrites history (reasoning stripped from earlier turns): the turn's answer as history
+        # renders it, where an answer rendered as history starts (after its header, not inside it).
         history = render(tokenizer, messages[:i], thinking=thinking) if i else ""
-        answer = final_answer(m["content"])
-        start = text.find(answer, len(history)) if answer and text.startswith(history) else -1
-        if start < 0:
+        probe = render(tokenizer, [*messages[:i], {"role": "assistant", "content": SENTINEL},
+                                   {"role": "user", "content": SENTINEL}], thinking=thinking)
+        start, answer = probe.find(SENTINEL), final_answer(m["content"])
+        if not (text.startswith(history) and probe.startswith(history) and start >= len(history)
+                and text.startswith(answer, start)):
             raise DataError(
                 "the chat template does not render conversations prefix-consistently (turn "
                 f"{i}); assistant masks cannot be derived for it"
             )
-        spans.append((start, start + len(answer), True))
+        spans.append((start, start + len(answer), True))  # an empty answer (reasoning only): its end of turn
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     special = set(tokenizer.all_special_ids) | {

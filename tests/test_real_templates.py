@@ -1,0 +1,105 @@
+"""Assistant-only loss masks on the REAL chat templates of the presets' targets (tests/fixtures/templates:
+Qwen2.5-7B-Instruct's default system prompt, Llama-3.1-8B-Instruct's date header and trimmed contents, Qwen3's
+reasoning blocks and rewritten history), rendered with tiny byte-level tokenizers carrying their special tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from data.template import conversation_ids, prompt_ids, render, tokenize_conversation
+from train.target import _build_tiny_tokenizer
+
+TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
+EOT = {"qwen2.5-7b-instruct": "<|im_end|>", "qwen3-8b": "<|im_end|>", "llama-3.1-8b-instruct": "<|eot_id|>"}
+
+
+def real_tokenizer(name: str):
+    if name.startswith("llama"):
+        tok = _build_tiny_tokenizer("llama3")
+        tok.add_special_tokens({"additional_special_tokens": ["<|eom_id|>", "<|python_tag|>", "<|end_of_text|>"]})
+    else:
+        tok = _build_tiny_tokenizer("chatml")
+        tok.add_tokens(["<tool_call>", "</tool_call>", "<think>", "</think>"])   # added, not special (Qwen)
+    tok.chat_template = (TEMPLATES / f"{name}.jinja").read_text()
+    return tok
+
+
+def U(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def A(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def spans(mask: list[int]) -> list[tuple[int, int]]:
+    """The masked runs [start, end) of ``mask``."""
+    out, start = [], None
+    for j, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = j
+        elif not m and start is not None:
+            out.append((start, j))
+            start = None
+    return out
+
+
+def masked(tok, conv: list[dict], thinking: bool | None = None) -> list[str]:
+    ids, mask = tokenize_conversation(tok, conv, thinking=thinking)
+    assert ids == conversation_ids(tok, conv, thinking=thinking)
+    return [tok.decode(ids[a:b]) for a, b in spans(mask)]
+
+
+ANSWERS = ["It is 4.", "Six, of course.", "Goodbye!"]
+CONVERSATIONS = {
+    "no system": [U("What is 2+2?"), A(ANSWERS[0]), U("And 3+3?"), A(ANSWERS[1]), U("Bye."), A(ANSWERS[2])],
+    "system": [{"role": "system", "content": "Answer briefly."}, U("What is 2+2?"), A(ANSWERS[0]), U("And 3+3?"),
+               A(ANSWERS[1]), U("Bye."), A(ANSWERS[2])],
+}
+
+
+@pytest.mark.parametrize("system", list(CONVERSATIONS))
+@pytest.mark.parametrize("name, thinking", [("qwen2.5-7b-instruct", None), ("llama-3.1-8b-instruct", None),
+                                            ("qwen3-8b", None), ("qwen3-8b", False), ("qwen3-8b", True)])
+def test_each_answer_and_its_end_of_turn_is_trained_and_nothing_else(name, thinking, system):
+    """Three turns: exactly each answer and its end-of-turn token are trained, not the headers, the system
+    prompt the template adds (Qwen2.5) or its date header (Llama 3.1); Qwen3's empty <think> block is prompt
+    (thinking=false) or text the template put there (otherwise), never trained. What regeneration continued from
+    is the training sequence's prefix, for every turn of a template that keeps history, the last one of Qwen3."""
+    tok, conv = real_tokenizer(name), CONVERSATIONS[system]
+    assert masked(tok, conv, thinking) == [a + EOT[name] for a in ANSWERS]
+    whole = conversation_ids(tok, conv, thinking)
+    turns = [i for i, m in enumerate(conv) if m["role"] == "assistant"]
+    for i in turns[-1:] if name == "qwen3-8b" else turns:
+        before = prompt_ids(tok, conv[:i], thinking)
+        assert whole[: len(before)] == before, f"turn {i}"
+    if name == "qwen3-8b" and thinking is not False:   # rendered before the last answer, not trained
+        assert "<|im_start|>assistant\n<think>\n\n</think>\n\nGoodbye!" in render(tok, conv, thinking=thinking)
+
+
+def test_qwen3_history_answer_is_found_after_its_header():
+    """An earlier Qwen3 turn (rendered as history, reasoning stripped) whose answer also occurs in its header
+    ("a" in "assistant"): the answer itself is trained, not the header's letters."""
+    tok = real_tokenizer("qwen3-8b")
+    assert masked(tok, [U("a or b?"), A("a"), U("again"), A("b")], False) == ["a<|im_end|>", "b<|im_end|>"]
+    assert masked(tok, [U("Say it"), A("assistant"), U("again"), A("b")], False) == ["assistant<|im_end|>",
+                                                                                     "b<|im_end|>"]
+
+
+def test_qwen3_reasoning_only_answer_keeps_its_end_of_turn():
+    """An earlier answer that was all reasoning renders as nothing in history: its end of turn is trained, and
+    the data stage goes on (it raised, stopping the whole run)."""
+    tok = real_tokenizer("qwen3-8b")
+    assert masked(tok, [U("Hi"), A("<think>\nx\n</think>\n\n"), U("?"), A("ok")], None) == ["<|im_end|>",
+                                                                                              "ok<|im_end|>"]
+
+
+def test_qwen3_truncated_reasoning_is_trained_without_the_block_the_template_adds():
+    """A last answer cut inside its reasoning (no </think>) gets an empty <think> block put before it by the
+    template; the target wrote none, so it is not trained on: the answer is."""
+    tok = real_tokenizer("qwen3-8b")
+    conv = [U("Prove it"), A("<think>\nLet me think")]
+    assert "assistant\n<think>\n\n</think>\n\n<think>\nLet me think" in render(tok, conv)
+    assert masked(tok, conv) == ["<think>\nLet me think<|im_end|>"]
