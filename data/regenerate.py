@@ -8,7 +8,8 @@ prompts last instead of shrinking to its longest answer.
 Results are appended to a cache file keyed by the target and the generation settings, every batch_size
 finished answers: a crash loses at most that many, a rerun continues, and every head of the same target
 reuses the file. Line: ``{"key", "messages", "new_tokens", "truncated", "complete"}`` (the last line of a key
-wins; a multi-turn conversation is complete once every user turn has its answer), and for a conversation
+wins; a multi-turn conversation is complete once every user turn has its answer; an answer the target did not
+end carries ``"truncated": true`` in its message), and for a conversation
 ended at ``data.max_length``: ``cut_at_length`` (that length) and ``capped`` (its last answer was stopped there,
 not by the target or ``max_new_tokens``: that answer's token count).
 """
@@ -363,11 +364,12 @@ def answer_room(prompt_len: int, max_new_tokens: int, max_length: int | None) ->
 def add_answer(row: dict, answer: dict, n: int, hit_eos: bool, prompt_len: int, max_new_tokens: int,
                max_length: int | None) -> None:
     """Append the next turn of conversation ``row``: its user message and ``answer`` (the assistant message,
-    ``n`` tokens, ``hit_eos`` when the target ended it). An answer stopped at its :func:`answer_room` below
+    ``n`` tokens, ``hit_eos`` when the target ended it; else it is marked ``truncated``: the end of turn the
+    template puts after it is not the target's, and not trained on). An answer stopped at its :func:`answer_room` below
     ``max_new_tokens`` is ``capped`` (``n`` noted): the conversation ends there (complete, ``cut_at_length``: the
     data stage keeps nothing past it), and a run with a larger ``max_length`` asks that turn again (:func:`pending`)."""
     capped = not hit_eos and n < max_new_tokens and max_length is not None and prompt_len + n >= max_length
-    row["messages"] += [row["users"][_answered(row)], answer]
+    row["messages"] += [row["users"][_answered(row)], answer if hit_eos else {**answer, "truncated": True}]
     row["truncated"] |= not hit_eos and not capped
     row["new_tokens"] += n
     row["complete"] = _answered(row) == len(row["users"])

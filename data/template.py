@@ -98,9 +98,12 @@ def final_answer(content: str) -> str:
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], thinking: bool | None = None) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) with loss_mask = 1 exactly on assistant tokens (incl. end of turn)."""
+    """(input_ids, loss_mask) with loss_mask = 1 exactly on assistant tokens (incl. end of turn, but not after an
+    answer marked ``truncated``)."""
     text = render(tokenizer, messages, thinking=thinking)
-    spans = []  # (start, end, eot_after): eot_after -> also the first special token at/after end
+    # (start, end, eot_after, cut): eot_after -> also the first special token at/after end; cut -> an answer the
+    # target did not end (regeneration's "truncated"): the end of turn after it is the template's, not trained
+    spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
@@ -111,7 +114,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], thinking: bool | None
             # before a last answer without one: a truncated reasoning, a dataset answer) is not the target's.
             inner, content = upto[len(before):], m["content"]
             injected = inner.rfind(content) if content and not inner.startswith(content) else -1
-            spans.append((len(before) + max(injected, 0), len(upto), False))
+            spans.append((len(before) + max(injected, 0), len(upto), False, bool(m.get("truncated"))))
             continue
         # A template that rewrites history (reasoning stripped from earlier turns): the turn's answer as history
         # renders it, where an answer rendered as history starts (after its header, not inside it).
@@ -125,21 +128,21 @@ def tokenize_conversation(tokenizer, messages: list[dict], thinking: bool | None
                 "the chat template does not render conversations prefix-consistently (turn "
                 f"{i}); assistant masks cannot be derived for it"
             )
-        spans.append((start, start + len(answer), True))  # an empty answer (reasoning only): its end of turn
+        spans.append((start, start + len(answer), True, bool(m.get("truncated"))))  # all reasoning: its end of turn
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     special = set(tokenizer.all_special_ids) | {
         i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False)
     }
     mask = [0] * len(ids)
-    for start, end, eot_after in spans:
+    for start, end, eot_after, cut in spans:
         inside = [j for j, (a, b) in enumerate(offsets) if start <= a < end and b > a]
         if eot_after:
-            inside += [j for j, (a, b) in enumerate(offsets) if a >= end and b > a and ids[j] in special][:1]
+            inside += [] if cut else [j for j, (a, b) in enumerate(offsets) if a >= end and b > a and ids[j] in special][:1]
         else:
             ends = [j for j in inside if ids[j] in special]
             if ends:
-                inside = [j for j in inside if j <= ends[-1]]
+                inside = [j for j in inside if j < ends[0]] if cut else [j for j in inside if j <= ends[-1]]
         for j in inside:
             mask[j] = 1
     return ids, mask

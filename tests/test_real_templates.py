@@ -103,3 +103,17 @@ def test_qwen3_truncated_reasoning_is_trained_without_the_block_the_template_add
     conv = [U("Prove it"), A("<think>\nLet me think")]
     assert "assistant\n<think>\n\n</think>\n\n<think>\nLet me think" in render(tok, conv)
     assert masked(tok, conv) == ["<think>\nLet me think<|im_end|>"]
+
+
+@pytest.mark.parametrize("name, thinking", [("qwen2.5-7b-instruct", None), ("llama-3.1-8b-instruct", None),
+                                            ("qwen3-8b", False), ("qwen3-8b", None)])
+def test_an_answer_the_target_did_not_end_trains_no_end_of_turn(name, thinking):
+    """An answer cut at data.regen.max_new_tokens (regeneration marks it truncated) gets the template's end of turn
+    after it, which the target never wrote: it is context, not trained (an earlier turn, rendered as history in
+    Qwen3, and the last one); the answers the target ended keep theirs."""
+    tok = real_tokenizer(name)
+    conv = [U("Tell me a story."), {**A("Once upon a"), "truncated": True}, U("And then?"), A("The end."),
+            U("Again?"), {**A("Once more upon"), "truncated": True}]
+    assert masked(tok, conv, thinking) == ["Once upon a", f"The end.{EOT[name]}", "Once more upon"]
+    ids, _ = tokenize_conversation(tok, conv, thinking)
+    assert tok.decode(ids).count(EOT[name]) >= 3   # still in the sequence, as the target saw it in later turns

@@ -124,6 +124,8 @@ def test_openai_backend_writes_what_hf_writes(tiny, reference, tmp_path):
         stub.close()
     got = read_cache(path)
     assert got == reference  # same keys, messages, new_tokens, truncated, complete
+    # an answer the target did not end (cut at max_new_tokens) is marked in its message: no end of turn trained
+    assert all(any(m.get("truncated") for m in r["messages"]) == r["truncated"] for r in got.values())
     assert stats["generated"] == 7 and stats["new_tokens"] == sum(r["new_tokens"] for r in reference.values())
     assert all(set(json.loads(line)) == {"key", "messages", "new_tokens", "truncated", "complete"}
                for line in path.read_text().splitlines())
