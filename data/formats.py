@@ -285,18 +285,20 @@ def read_jsonl(path: Path) -> list[dict]:
     eval records), in order; a line torn by a crash is skipped. [] when the file does not exist."""
     rows = []
     if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+        with open(path, encoding="utf-8") as f:   # line by line: a regeneration cache can be GBs
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
     return rows
 
 
 def rewrite_jsonl(path: Path, rows: Iterable[dict]) -> None:
     """Replace ``path`` by ``rows``, one JSON line each, atomically (compacting a file before appending)."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
     os.replace(tmp, path)
 
 

@@ -214,19 +214,27 @@ def test_data_stage_with_openai_backend_equals_hf(tiny, tmp_path):
     assert stats["backend"] == "openai" and stats["generated"] == 6
 
 
+def both_backends(tiny, rcfg, max_length: int, hf: Path, oa: Path) -> Stub:
+    """CONVS regenerated at ``max_length`` by the hf backend into ``hf`` and through the stub server into ``oa``;
+    the (closed) stub, with the requests it got."""
+    model, tok, _, eos = tiny
+    regenerate(CONVS, model, tok, rcfg, None, hf, max_length=max_length)
+    stub = stub_for(tiny)
+    try:
+        regenerate_openai(CONVS, tok, rcfg, None, oa, OpenAIClient(stub.url, None, 30, 0), eos, max_length)
+    finally:
+        stub.close()
+    return stub
+
+
 def test_a_conversation_ends_where_its_prompt_fills_max_length(tiny, reference, tmp_path):
     """A later turn whose prompt (the earlier turns and answers) already fills data.max_length is not asked: the
     data stage would drop all of it, and a server would refuse a prompt beyond its context (a 400 that stopped the
     whole run). Both backends cut the same conversations; a run with a larger max_length continues them."""
-    model, tok, rcfg, eos = tiny
+    model, tok, rcfg, _ = tiny
     limit = len(prompt_ids(tok, CONVS[0]["messages"][:1])) + 4   # every first prompt fits, no second one
     hf, oa = tmp_path / "hf.jsonl", tmp_path / "oa.jsonl"
-    regenerate(CONVS, model, tok, rcfg, None, hf, max_length=limit)
-    stub = stub_for(tiny)
-    try:
-        regenerate_openai(CONVS, tok, rcfg, None, oa, OpenAIClient(stub.url, None, 30, 0), eos, limit)
-    finally:
-        stub.close()
+    stub = both_backends(tiny, rcfg, limit, hf, oa)
     cut = read_cache(hf)
     assert cut == read_cache(oa) and len(stub.requests) == len(CONVS)   # no second turn was sent
     two_turns = {k for k, r in reference.items() if sum(m["role"] == "assistant" for m in r["messages"]) == 2}
@@ -242,18 +250,13 @@ def test_answers_stop_where_max_length_cuts(tiny, tmp_path):
     (2048-token answers to the later turns of long conversations). Such a capped answer ends its conversation
     (cut_at_length), the same in both backends; a run with a larger max_length asks that turn again and gets
     what a run without the cap wrote."""
-    model, tok, rcfg, eos = tiny
+    model, tok, rcfg, _ = tiny
     rcfg = rcfg.copy()
     rcfg.max_new_tokens = 40
     limit = max(len(prompt_ids(tok, c["messages"][:1])) for c in CONVS) + 4   # room for 20 new tokens at most
     hf, oa, full = tmp_path / "hf.jsonl", tmp_path / "oa.jsonl", tmp_path / "full.jsonl"
     regenerate(CONVS, model, tok, rcfg, None, full)
-    regenerate(CONVS, model, tok, rcfg, None, hf, max_length=limit)
-    stub = stub_for(tiny)
-    try:
-        regenerate_openai(CONVS, tok, rcfg, None, oa, OpenAIClient(stub.url, None, 30, 0), eos, limit)
-    finally:
-        stub.close()
+    stub = both_backends(tiny, rcfg, limit, hf, oa)
     capped = read_cache(hf)
     assert capped == read_cache(oa)
     assert all(len(r["prompt"]) + r["max_tokens"] == limit + CAP_MARGIN for r in stub.requests)
