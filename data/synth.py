@@ -40,7 +40,7 @@ from filelock import FileLock
 from data.formats import DataError, read_jsonl, rewrite_jsonl
 from data.regenerate import eos_ids, generate
 from data.template import user_turn_prefix
-from train.log import log
+from train.log import log, progress
 
 DEFAULTS = {
     "n": 100,               # prompts wanted (kept after filtering)
@@ -195,7 +195,10 @@ def synthesize(model, tokenizer, s: dict, path: Path, name: str = "synth") -> tu
     bs, cached, generated, start = s["batch_size"], len(batches), 0, time.time()
     eos = _eos_ids(model, tokenizer, suffix) if isinstance(model, torch.nn.Module) else set()
     b = 0
-    with open(path, "a", encoding="utf-8") as f:
+    # A bar over the batches (replayed or generated): its steps are the heartbeat's progress, so ranks waiting on a
+    # rank-0-only data stage (vllm/openai backends) see a long synth as busy, not hung (hang_minutes).
+    bar = progress(total=-(-s["max_attempts"] // bs), desc="synth", unit="batch")
+    with open(path, "a", encoding="utf-8") as f, bar:
         while len(kept) < s["n"] and b * bs < s["max_attempts"]:
             if b < len(batches):
                 outs = batches[b]["outputs"]
@@ -225,6 +228,8 @@ def synthesize(model, tokenizer, s: dict, path: Path, name: str = "synth") -> tu
                 kept.append({"id": f"{name}-{b * bs + k}", "prompt": o["text"], "category": o["category"]})
                 tokens.append(o["tokens"])
             b += 1
+            bar.update()
+            bar.set_postfix(kept=f"{len(kept)}/{s['n']}")
     attempts = len(kept) + sum(dropped.values())
     if len(kept) < s["n"]:
         log(f"[data] synth: only {len(kept)} of {s['n']} prompts after {attempts} attempts "
@@ -251,7 +256,7 @@ class Synthesizer:
         self.cfg, self.tokenizer, self.stats = cfg, tokenizer, {}
 
     def __call__(self, source: dict, name: str) -> Iterator[tuple[str, dict]]:
-        from train.target import load_target, target_fingerprint
+        from train.target import load_target, regen_dtype, target_fingerprint
 
         dcfg = self.cfg.data
         s = settings(source, int(self.cfg.seed))
@@ -261,7 +266,8 @@ class Synthesizer:
         # Under a launcher every rank reads the sources: the first to take the lock generates, the others
         # then replay the same cache file (so every rank has the same prompts).
         with FileLock(str(path) + ".lock"):
-            kept, self.stats[name] = synthesize(lambda: load_target(self.cfg), self.tokenizer, s, path, name)
+            kept, self.stats[name] = synthesize(lambda: load_target(self.cfg, dtype=regen_dtype(self.cfg)),
+                                                self.tokenizer, s, path, name)
         st = self.stats[name]
         log(f"[data] synth: {st['kept']} prompts ({st['attempts']} attempts, {st['batches_generated']} batches "
             f"generated, {st['batches_cached']} cached; near-duplicates {st['near_duplicate_rate']:.1%}; "

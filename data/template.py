@@ -26,7 +26,9 @@ Checked against the real templates of Qwen2.5-7B-Instruct, Qwen3-8B and Llama-3.
 (``tests/fixtures/templates``). Known limits: Llama 3.1 trims answers (their leading and trailing
 whitespace is not trained); the sequence is the rendered text tokenized once, so a real BPE vocabulary can
 merge an answer's first characters with the header's last ones (e.g. two newlines) into one token that is
-then not trained on.
+then not trained on; Qwen3 with ``thinking=false`` generated each earlier turn after an empty ``<think>`` block
+that the conversation's render drops from history, so those answers train on a context a little different from
+the one they were generated in (the last turn's is exact).
 """
 
 from __future__ import annotations

@@ -197,6 +197,20 @@ def test_synth_dedups_resumes_and_counts_calls(fake_generate, tmp_path):
     assert not fake_generate
 
 
+def test_synth_batches_are_heartbeat_progress(fake_generate, tmp_path):
+    """Every batch, generated or replayed, advances the progress steps the heartbeats carry: ranks waiting on a
+    rank-0-only data stage (vllm/openai backends) stopped after hang_minutes of a long synth as on a hung rank."""
+    from train.log import STEPS
+
+    tok, model = _build_tiny_tokenizer("chatml"), FakeModel()
+    before = STEPS[0]
+    _, st = synth.synthesize(model, tok, settings(n=10), tmp_path / "s.jsonl")
+    assert STEPS[0] - before >= st["batches_generated"] > 0
+    before = STEPS[0]
+    synth.synthesize(model, tok, settings(n=10), tmp_path / "s.jsonl")   # all replayed
+    assert STEPS[0] - before >= st["batches_generated"]
+
+
 def test_synth_hints_cycle_and_steer_the_prefix(fake_generate, tmp_path):
     tok = _build_tiny_tokenizer("chatml")
     hints = [{"category": "code", "hint": "The user asks about code."}, {"category": "travel", "hint": "Travel."}]
