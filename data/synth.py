@@ -71,16 +71,18 @@ class PromptFilter:
         self.a = rng.integers(0, 2**64, bands * rows, dtype=np.uint64, endpoint=False) | np.uint64(1)
         self.b = rng.integers(0, 2**64, bands * rows, dtype=np.uint64, endpoint=False)
         self.exact: set[str] = set()
-        self.shingles: list[set[str]] = []
+        self.shingles: list[np.ndarray] = []  # per kept prompt: its n-grams' sorted 64-bit hashes (8 bytes each)
         self.buckets: dict[tuple, list[int]] = {}
 
-    def _shingles(self, norm: str) -> set[str]:
+    def _shingles(self, norm: str) -> np.ndarray:
+        """The distinct character n-grams of ``norm`` as sorted 64-bit hashes (a set of strings took ~50 KB a
+        prompt: GBs at 200k prompts)."""
         n = self.ngram
-        return {norm[i: i + n] for i in range(len(norm) - n + 1)} if len(norm) > n else {norm}
+        grams = {norm[i: i + n] for i in range(len(norm) - n + 1)} if len(norm) > n else {norm}
+        return np.unique(np.array([int.from_bytes(hashlib.blake2b(g.encode(), digest_size=8).digest(), "little")
+                                   for g in grams], dtype=np.uint64))
 
-    def _signature(self, shingles: set[str]) -> np.ndarray:
-        x = np.array([int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little")
-                      for s in shingles], dtype=np.uint64)
+    def _signature(self, x: np.ndarray) -> np.ndarray:
         return ((self.a[:, None] * x[None, :] + self.b[:, None]) >> np.uint64(32)).min(1)  # wraps mod 2**64
 
     def check(self, text: str) -> str | None:
@@ -98,7 +100,8 @@ class PromptFilter:
         candidates = {j for k in keys for j in self.buckets.get(k, ())}
         for j in candidates:
             other = self.shingles[j]
-            if len(shingles & other) / len(shingles | other) >= self.threshold:
+            common = np.intersect1d(shingles, other, assume_unique=True).size
+            if common / (shingles.size + other.size - common) >= self.threshold:
                 return "near_duplicate"
         self.exact.add(norm)
         self.shingles.append(shingles)
