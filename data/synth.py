@@ -19,6 +19,12 @@ Resume: every generated batch is one line appended to a cache file (flushed and 
 target and the generation settings, not by ``n``: a rerun, or a larger ``n``, replays the cached
 batches through the filter and generates only the batches after them. Line:
 ``{"batch": b, "outputs": [{"text", "category", "tokens", "hit_eos"}, ...]}`` (a torn last line is ignored).
+
+Under a launcher (``hf`` regeneration: every rank reads the sources) the ranks write the batches together:
+rank r generates the batches b = r mod world into its own part file (``<cache>.part<r>.jsonl``), running at
+most ``LOOKAHEAD`` rounds ahead of the batches every rank has, and each rank filters the same batches in
+batch order: the same prompts as one process, on every rank. A rerun on any rank count reads the cache and
+every part file.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from filelock import FileLock
 from data.formats import DataError, read_jsonl, rewrite_jsonl
 from data.regenerate import eos_ids, generate
 from data.template import user_turn_prefix
+from train import dist
 from train.log import log, progress
 
 DEFAULTS = {
@@ -55,6 +62,7 @@ DEFAULTS = {
     "max_attempts": None,   # None: 4 x n + batch_size (stops a target that keeps repeating itself)
 }
 HIST_BINS = (1, 5, 10, 20, 40, 80, 160)
+LOOKAHEAD = 2  # rounds of batches a rank may generate ahead of the first batch not yet written by any
 
 
 def _normalise(text: str) -> str:
@@ -166,6 +174,36 @@ def read_batches(path: Path) -> list[dict]:
     return batches
 
 
+def part_file(path: Path, rank: int) -> Path:
+    return path.with_name(f"{path.stem}.part{rank}.jsonl")
+
+
+class BatchFiles:
+    """The batches written so far to a synth cache and its part files (ranks of this or an earlier run), read
+    incrementally: each file's complete lines after the ones already read (the files are only appended to)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offsets, self.batches = path, {}, {}
+
+    def refresh(self) -> dict[int, list[dict]]:
+        for file in [self.path, *sorted(self.path.parent.glob(f"{self.path.stem}.part*.jsonl"))]:
+            if not file.exists():
+                continue
+            with open(file, "rb") as f:
+                f.seek(self.offsets.get(file, 0))
+                data = f.read()
+            end = data.rfind(b"\n") + 1  # complete lines only: a rank may be writing the next one
+            self.offsets[file] = self.offsets.get(file, 0) + end
+            for line in data[:end].splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line torn by a crash (sealed by a newline since)
+                    continue
+                if isinstance(row, dict) and isinstance(row.get("batch"), int) and "outputs" in row:
+                    self.batches.setdefault(row["batch"], row["outputs"])
+        return self.batches
+
+
 def _batch_generator(device, seed: int, batch: int) -> torch.Generator:
     value = int.from_bytes(hashlib.sha256(f"{seed}-{batch}".encode()).digest()[:7], "little")
     return torch.Generator(device=device).manual_seed(value)
@@ -180,13 +218,20 @@ def _eos_ids(model, tokenizer, suffix: str) -> set[int]:
     return eos_ids(tokenizer, getattr(model, "generation_config", None)) | set(end_of_turn)
 
 
-def synthesize(model, tokenizer, s: dict, path: Path, name: str = "synth") -> tuple[list[dict], dict]:
+def synthesize(model, tokenizer, s: dict, path: Path, name: str = "synth", rank: int = 0,
+               world: int = 1) -> tuple[list[dict], dict]:
     """The first ``s["n"]`` kept prompts ``[{id, prompt, category}]`` and the source's stats. ``model``: the
-    target, or a function returning it (called only when the cache does not already hold enough)."""
+    target, or a function returning it (called only when the cache does not already hold enough). With
+    ``world`` > 1 this is rank ``rank`` of ``world`` processes writing the batches together (every one calls it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    batches = read_batches(path)
-    if path.exists():  # drop a torn last line before appending
-        rewrite_jsonl(path, batches)
+    mine = path if world == 1 else part_file(path, rank)   # the file this process appends to
+    if world == 1 and path.exists():  # one process: drop a torn last line before appending
+        rewrite_jsonl(path, [r for r in read_jsonl(path) if isinstance(r.get("batch"), int) and "outputs" in r])
+    elif mine.exists() and mine.stat().st_size and mine.read_bytes()[-1:] != b"\n":
+        with open(mine, "ab") as f:   # the other ranks read this file as it grows: seal a torn line, never rewrite
+            f.write(b"\n")
+    files = BatchFiles(path)
+    batches = files.refresh()
     hints = s["hints"] or [{"category": "general", "hint": None}]
     prefixes, suffix = {}, ""
     for h in hints:
@@ -195,32 +240,44 @@ def synthesize(model, tokenizer, s: dict, path: Path, name: str = "synth") -> tu
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     filt = PromptFilter(s["near_duplicate"], s["min_chars"])
     kept, dropped, tokens = [], Counter(), []
-    bs, cached, generated, start = s["batch_size"], len(batches), 0, time.time()
+    bs, generated, start = s["batch_size"], 0, time.time()
+    cached = len(batches)
     eos = _eos_ids(model, tokenizer, suffix) if isinstance(model, torch.nn.Module) else set()
+    last = -(-s["max_attempts"] // bs)  # batches at most
+
+    def write(f, b: int) -> None:
+        """Generate batch ``b`` and append it to this process's file."""
+        nonlocal model, eos, generated
+        if not isinstance(model, torch.nn.Module):
+            model = model()
+            eos = _eos_ids(model, tokenizer, suffix)
+        cats = [hints[(b * bs + k) % len(hints)] for k in range(bs)]
+        gens = generate(model, [prefixes[h["hint"]] for h in cats], s["max_new_tokens"], eos, pad,
+                        s["temperature"], s["top_p"], _batch_generator(next(model.parameters()).device, s["seed"], b))
+        batches[b] = [{"text": tokenizer.decode(g.tokens, skip_special_tokens=True).strip(), "category": h["category"],
+                       "tokens": len(g.tokens), "hit_eos": g.hit_eos} for h, g in zip(cats, gens, strict=True)]
+        f.write(json.dumps({"batch": b, "outputs": batches[b]}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+        generated += 1
+        log(f"[data] synth: batch {b} generated ({len(kept)} of {s['n']} prompts kept before it, "
+            f"{time.time() - start:.0f} s)")
+
     b = 0
     # A bar over the batches (replayed or generated): its steps are the heartbeat's progress, so ranks waiting on a
     # rank-0-only data stage (vllm/openai backends) see a long synth as busy, not hung (hang_minutes).
-    bar = progress(total=-(-s["max_attempts"] // bs), desc="synth", unit="batch")
-    with open(path, "a", encoding="utf-8") as f, bar:
-        while len(kept) < s["n"] and b * bs < s["max_attempts"]:
-            if b < len(batches):
-                outs = batches[b]["outputs"]
-            else:
-                if not isinstance(model, torch.nn.Module):
-                    model = model()
-                    eos = _eos_ids(model, tokenizer, suffix)
-                cats = [hints[(b * bs + k) % len(hints)] for k in range(bs)]
-                gens = generate(model, [prefixes[h["hint"]] for h in cats], s["max_new_tokens"], eos, pad,
-                                s["temperature"], s["top_p"],
-                                _batch_generator(next(model.parameters()).device, s["seed"], b))
-                outs = [{"text": tokenizer.decode(g.tokens, skip_special_tokens=True).strip(), "category": h["category"],
-                         "tokens": len(g.tokens), "hit_eos": g.hit_eos} for h, g in zip(cats, gens, strict=True)]
-                f.write(json.dumps({"batch": b, "outputs": outs}) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-                generated += 1
-                log(f"[data] synth: batch {b} generated ({len(kept)} of {s['n']} prompts kept before it, "
-                    f"{time.time() - start:.0f} s)")
+    bar = progress(total=last, desc="synth", unit="batch")
+    with FileLock(str(mine) + ".lock"), open(mine, "a", encoding="utf-8") as f, bar:
+        while len(kept) < s["n"] and b < last:
+            if b not in batches:
+                ahead = [c for c in range(b, min(last, b + LOOKAHEAD * world)) if c % world == rank and c not in batches]
+                if ahead:
+                    write(f, ahead[0])   # this rank's next batch (batch b itself when it is this rank's)
+                else:                    # another rank's batch: written soon
+                    time.sleep(0.5)
+                    files.refresh()
+                continue
+            outs = batches[b]
             for k, o in enumerate(outs):
                 if len(kept) >= s["n"]:
                     break
@@ -259,6 +316,7 @@ class Synthesizer:
         self.cfg, self.tokenizer, self.stats = cfg, tokenizer, {}
 
     def __call__(self, source: dict, name: str) -> Iterator[tuple[str, dict]]:
+        from train.stages import shares_work
         from train.target import load_target, regen_dtype, target_fingerprint
 
         dcfg = self.cfg.data
@@ -266,11 +324,11 @@ class Synthesizer:
         directory = dcfg.get("synth_dir") or Path(dcfg.regen.dir).parent / "synth"
         path = cache_file(directory, target_fingerprint(self.cfg), s)
         path.parent.mkdir(parents=True, exist_ok=True)
-        # Under a launcher every rank reads the sources: the first to take the lock generates, the others
-        # then replay the same cache file (so every rank has the same prompts).
-        with FileLock(str(path) + ".lock"):
-            kept, self.stats[name] = synthesize(lambda: load_target(self.cfg, dtype=regen_dtype(self.cfg)),
-                                                self.tokenizer, s, path, name)
+        # Under a launcher with hf regeneration every rank reads the sources: they write the batches together
+        # (rank r the batches b = r mod world) and each filters all of them (every rank has the same prompts).
+        world = dist.world_size() if shares_work(self.cfg, "data") else 1
+        kept, self.stats[name] = synthesize(lambda: load_target(self.cfg, dtype=regen_dtype(self.cfg)),
+                                            self.tokenizer, s, path, name, dist.rank() if world > 1 else 0, world)
         st = self.stats[name]
         log(f"[data] synth: {st['kept']} prompts ({st['attempts']} attempts, {st['batches_generated']} batches "
             f"generated, {st['batches_cached']} cached; near-duplicates {st['near_duplicate_rate']:.1%}; "

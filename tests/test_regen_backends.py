@@ -415,8 +415,8 @@ def cache_of(cfg) -> dict:
 
 @pytest.mark.slow
 def test_two_ranks_regenerate_what_one_process_does(tmp_path):
-    """Both ranks answer their share, also of prompts a synth source has the target write (one rank writes
-    them under a file lock, the other reads them back)."""
+    """Both ranks answer their share, also of prompts a synth source has the target write (the ranks write its
+    batches together, each reads them all)."""
     deepspeed = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", "29681"]
     one, two = tmp_path / "one", tmp_path / "two"
     sources = "data.sources=[{type:builtin,limit:24},{type:synth,n:4,batch_size:4,max_new_tokens:24,min_chars:1}]"
@@ -433,6 +433,8 @@ def test_two_ranks_regenerate_what_one_process_does(tmp_path):
     one_synth, two_synth = ({k: (s["kept"], s["attempts"]) for k, s in json.loads(
         (stage_dir(c, "data") / "stats.json").read_text())["synth"].items()} for c in (cfg_one, cfg_two))
     assert one_synth and one_synth == two_synth   # the same prompts on both ranks, as in one process
+    synth_dir = Path(cfg_two.data.regen.dir).parent / "synth"   # both ranks wrote batches of it (b = rank mod 2)
+    assert sorted(p.name.split(".")[1] for p in synth_dir.glob("*.part*.jsonl")) == ["part0", "part1"]
     stats = json.loads((stage_dir(cfg_two, "data") / "stats.json").read_text())["regeneration"]
     assert stats["world_size"] == 2 and len(stats["per_rank"]) == 2 and all(s["generated"] for s in stats["per_rank"])
     assert not list(Path(cfg_two.data.regen.dir).glob("*.rank*"))  # parts merged and removed
@@ -446,7 +448,7 @@ def test_two_ranks_regenerate_what_one_process_does(tmp_path):
 @pytest.mark.slow
 def test_two_ranks_answer_the_prompts_the_default_target_writes(tmp_path):
     """The synth path with prompts kept (the tiny target above never ends a user turn): the real target writes
-    them once, under the synth cache's lock, and both ranks answer their share of the same prompts."""
+    them once (the ranks share its batches), and both ranks answer their share of the same prompts."""
     deepspeed = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", "29682"]
     args = ["tracking=none", "stages=[data]", "data.regen.dtype=float32", "data.regen.max_new_tokens=16",
             "data.sources=[{type:synth,n:4,batch_size:4,max_new_tokens:48}]"]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import data.synth as synth
+from data.formats import read_jsonl
 from data.regenerate import Answer
 from data.template import prompt_ids, render, set_thinking, tokenize_conversation, user_turn_prefix
 from train.stages import run_stages
@@ -195,6 +196,32 @@ def test_synth_dedups_resumes_and_counts_calls(fake_generate, tmp_path):
     fake_generate.clear()
     assert synth.synthesize(lambda: pytest.fail("loaded"), tok, settings(n=10), path)[0] == fresh
     assert not fake_generate
+
+
+def test_ranks_write_the_batches_together_and_keep_what_one_process_keeps(fake_generate, tmp_path):
+    """Two ranks (threads here; DeepSpeed ranks in the slow tier): rank r generates the batches b = r mod 2 into
+    its own part file, each filters all of them in order: both keep what one process keeps. A rerun in one
+    process replays the parts and generates nothing."""
+    import threading
+
+    tok, model = _build_tiny_tokenizer("chatml"), FakeModel()
+    alone, alone_stats = synth.synthesize(model, tok, settings(n=10), tmp_path / "alone.jsonl")
+    path, results = tmp_path / "two.jsonl", {}
+
+    def rank(r: int) -> None:
+        results[r] = synth.synthesize(model, tok, settings(n=10), path, rank=r, world=2)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results[0][0] == results[1][0] == alone
+    parts = [{row["batch"] for row in read_jsonl(synth.part_file(path, r))} for r in (0, 1)]
+    assert parts[0] and parts[1] and all(b % 2 == r for r in (0, 1) for b in parts[r])
+    assert set(range(alone_stats["batches_generated"])) <= parts[0] | parts[1]
+    fake_generate.clear()
+    assert synth.synthesize(model, tok, settings(n=10), path)[0] == alone and not fake_generate
 
 
 def test_synth_batches_are_heartbeat_progress(fake_generate, tmp_path):

@@ -270,7 +270,7 @@ def release_memory() -> None:
 def shares_work(cfg: DictConfig, name: str) -> bool:
     """Whether the other ranks also enter the rank-0 stage ``name`` for a part of its work: the data stage's
     ``hf`` regeneration is split across ranks (data/engines.py); they return after their share. A ``synth``
-    source too: one rank writes its prompts under a file lock, the others then read the same cache."""
+    source too: the ranks write its batches together, each reads them all (data/synth.py)."""
     return (name == "data" and dist.world_size() > 1 and bool(cfg.data.regenerate)
             and cfg.data.regen.get("backend", "hf") == "hf")
 
