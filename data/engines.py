@@ -419,8 +419,9 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
     tokenizer_checked = False  # an answer's text was its token ids decoded here
 
     def check_tokenizer(ours: str, served: str | None) -> None:
-        """The first answer's text against its token ids decoded here, before anything is written: on the
-        target's tokenizer they agree (up to spacing and a cut character), on another model's they differ."""
+        """The first answer's text (the first with 8 visible characters) against its token ids decoded here, before
+        it is written: on the target's tokenizer they agree (up to spacing and a cut character), on another
+        model's they differ."""
         nonlocal tokenizer_checked
         if tokenizer_checked or served is None:
             return
@@ -430,7 +431,7 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
                 f"({getattr(tokenizer, 'name_or_path', '?')}): an answer's text differs from its token ids decoded "
                 f"here ({served[:60]!r} vs {ours[:60]!r}), so it read our prompt ids as other words. Serve the "
                 "target itself, or point data.regen.url (and data.regen.model) at the server that does")
-        tokenizer_checked = True
+        tokenizer_checked = len(_visible(ours)) >= 8   # an empty answer proves nothing: the next one is checked
     bar = progress(total=total_turns, desc="regenerate", unit="answer")
     start = time.time()
 

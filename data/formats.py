@@ -43,6 +43,7 @@ ROLE_ALIASES = {
     "tool": "tool", "function": "tool", "observation": "tool", "ipython": "tool", "function_response": "tool",
 }
 ID_KEYS = ("id", "conversation_id", "prompt_id", "uuid", "task_id", "question_id")  # a row's id, first present
+METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}  # not rows
 VALIDATION_NAMES = {"validation": "validation", "val": "validation", "valid": "validation", "dev": "validation",
                     "test": "validation", "train": "train"}
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
@@ -131,11 +132,16 @@ def tidy(messages: list[dict], counts: Counter) -> list[dict]:
     return out
 
 
-def row_id(meta: dict, messages: list[dict], name: str) -> str:
+def row_id(meta: dict, messages: list[dict], name: str, seen: Counter) -> str:
     """The row's own id (:data:`ID_KEYS`, the first present and not null), else one made of its source and
-    prompts: a row's split never depends on where it is in its file."""
+    prompts (a row's split never depends on where it is in its file), the k-th repeat of the same prompts
+    suffixed ``-k`` (``seen`` counts them per source)."""
     own = next((meta[k] for k in ID_KEYS if meta.get(k) is not None), None)
-    return str(own) if own is not None else f"{name}-{prompt_key(messages)}"
+    if own is not None:
+        return str(own)
+    made = f"{name}-{prompt_key(messages)}"
+    seen[made] += 1
+    return made if seen[made] == 1 else f"{made}-{seen[made] - 1}"
 
 
 def row_split(meta: dict, source: dict) -> str | None:
@@ -162,7 +168,8 @@ def read_rows(path: str | Path, on_error: str, errors: Counter) -> Iterator[tupl
         raise DataError(f"data file not found: {path}")
     kind = _kind(path)
     if path.is_dir():
-        files = sorted(f for f in path.rglob("*") if f.is_file() and _kind(f) in (".jsonl", ".json", ".parquet"))
+        files = sorted(f for f in path.rglob("*") if f.is_file() and _kind(f) in (".jsonl", ".json", ".parquet")
+                       and f.name not in METADATA_FILES and not any(d.startswith(".") for d in f.relative_to(path).parts))
         if not files:
             raise DataError(f"{path}: a folder without .jsonl, .json or .parquet files")
         for f in files:
@@ -248,7 +255,7 @@ def read_source(source: dict, on_error: str, errors: Counter, synth=None) -> Ite
     else:
         raise DataError(f"a data source needs type: builtin|humaneval|synth, path: or hf:, got {dict(source)}")
     name = source.get("name", name)
-    limit = source.get("limit")
+    limit, seen = source.get("limit"), Counter()
     for n, (where, row) in enumerate(rows):
         if limit is not None and n >= limit:
             break
@@ -268,7 +275,7 @@ def read_source(source: dict, on_error: str, errors: Counter, synth=None) -> Ite
         if not messages:
             continue
         yield {
-            "id": row_id(meta, messages, name),
+            "id": row_id(meta, messages, name, seen),
             "source": name,
             "category": str(meta.get("category") or "general"),
             "split": row_split(meta, source),

@@ -16,6 +16,7 @@ Writes into ``<run_dir>/data/`` (format documented in the README, "Files between
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import os
@@ -75,11 +76,18 @@ def pool_map(fn: Callable, items: list, workers: int, desc: str, **shared) -> It
                 yield fn(item)
                 bar.update()
             return
+        before = os.environ.get("TOKENIZERS_PARALLELISM")
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # its threads and fork do not mix (it warns per worker)
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            for out in pool.imap(fn, items, chunksize=max(1, min(256, len(items) // (8 * workers)))):
-                yield out
-                bar.update()
+        try:
+            with multiprocessing.get_context("fork").Pool(workers) as pool:
+                for out in pool.imap(fn, items, chunksize=max(1, min(256, len(items) // (8 * workers)))):
+                    yield out
+                    bar.update()
+        finally:
+            if before is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = before
     finally:
         bar.close()
         _SHARED.clear()
@@ -180,9 +188,9 @@ def run(cfg: DictConfig) -> dict:
     eval_prompts = eval_prompt_set(cfg)
     kept = []
     workers = worker_count(dcfg, len(convs))
-    leaked = pool_map(_leaks, convs, workers, "eval overlap", eval_prompts=eval_prompts) if eval_prompts else None
-    for conv in convs:
-        if leaked is not None and next(leaked):
+    leaked = list(pool_map(_leaks, convs, workers, "eval overlap", eval_prompts=eval_prompts)) if eval_prompts else []
+    for conv, leak in itertools.zip_longest(convs, leaked, fillvalue=False):
+        if leak:
             counts["dropped_eval_overlap"] += 1
             continue
         kept.append(conv)

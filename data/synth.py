@@ -222,14 +222,24 @@ def synthesize(model, tokenizer, s: dict, path: Path, name: str = "synth", rank:
                world: int = 1) -> tuple[list[dict], dict]:
     """The first ``s["n"]`` kept prompts ``[{id, prompt, category}]`` and the source's stats. ``model``: the
     target, or a function returning it (called only when the cache does not already hold enough). With
-    ``world`` > 1 this is rank ``rank`` of ``world`` processes writing the batches together (every one calls it)."""
+    ``world`` > 1 this is rank ``rank`` of ``world`` processes writing the batches together (every one calls it).
+    The file this process appends to is locked from before it is read (runs of two heads of one target side by
+    side share the cache: the second waits, then reads what the first wrote)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    mine = path if world == 1 else part_file(path, rank)   # the file this process appends to
+    mine = path if world == 1 else part_file(path, rank)
+    with FileLock(str(mine) + ".lock"):
+        return _synthesize(model, tokenizer, s, path, mine, name, rank, world)
+
+
+def _synthesize(model, tokenizer, s: dict, path: Path, mine: Path, name: str, rank: int,
+                world: int) -> tuple[list[dict], dict]:
     if world == 1 and path.exists():  # one process: drop a torn last line before appending
         rewrite_jsonl(path, [r for r in read_jsonl(path) if isinstance(r.get("batch"), int) and "outputs" in r])
-    elif mine.exists() and mine.stat().st_size and mine.read_bytes()[-1:] != b"\n":
-        with open(mine, "ab") as f:   # the other ranks read this file as it grows: seal a torn line, never rewrite
-            f.write(b"\n")
+    elif mine.exists() and mine.stat().st_size:
+        with open(mine, "rb+") as f:   # the other ranks read this file as it grows: seal a torn line, never rewrite
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
     files = BatchFiles(path)
     batches = files.refresh()
     hints = s["hints"] or [{"category": "general", "hint": None}]
@@ -267,7 +277,7 @@ def synthesize(model, tokenizer, s: dict, path: Path, name: str = "synth", rank:
     # A bar over the batches (replayed or generated): its steps are the heartbeat's progress, so ranks waiting on a
     # rank-0-only data stage (vllm/openai backends) see a long synth as busy, not hung (hang_minutes).
     bar = progress(total=last, desc="synth", unit="batch")
-    with FileLock(str(mine) + ".lock"), open(mine, "a", encoding="utf-8") as f, bar:
+    with open(mine, "a", encoding="utf-8") as f, bar:
         while len(kept) < s["n"] and b < last:
             if b not in batches:
                 ahead = [c for c in range(b, min(last, b + LOOKAHEAD * world)) if c % world == rank and c not in batches]

@@ -114,9 +114,13 @@ def tokenize_conversation(tokenizer, messages: list[dict], thinking: bool | None
         if text.startswith(before) and text.startswith(upto):
             # Text the template puts between the generation prompt and the answer (Qwen3's empty <think> block
             # before a last answer without one: a truncated reasoning, a dataset answer) is not the target's.
-            inner, content = upto[len(before):], m["content"]
-            injected = inner.rfind(content) if content and not inner.startswith(content) else -1
-            spans.append((len(before) + max(injected, 0), len(upto), False, bool(m.get("truncated"))))
+            inner, content, start = upto[len(before):], m["content"], len(before)
+            if content and not inner.startswith(content):   # where an answer starts in this position: after it
+                probe = render(tokenizer, [*messages[:i], {"role": "assistant", "content": SENTINEL}], thinking=thinking)
+                injected = probe.find(SENTINEL, len(before)) - len(before) if probe.startswith(before) else -1
+                if injected > 0 and inner.startswith(content, injected):
+                    start += injected
+            spans.append((start, len(upto), False, bool(m.get("truncated"))))
             continue
         # A template that rewrites history (reasoning stripped from earlier turns): the turn's answer as history
         # renders it, where an answer rendered as history starts (after its header, not inside it).

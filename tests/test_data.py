@@ -154,6 +154,9 @@ def test_instruction_rows_with_prompt_field_and_ids_of_their_own(tmp_path):
     assert [c["messages"] for c in got] == [[U("Sort a list.")], [U("Reverse a list.")]]
     assert got[0]["id"] == "c1" and got[1]["id"].startswith("alpaca-") and got[1]["id"] != "None"
     assert [c["split"] for c in got] == [None, "validation"]
+    twice = write_jsonl(tmp_path / "twice.jsonl", [json.dumps({"prompt": "same"})] * 2)
+    ids = [c["id"] for c in read_source({"path": str(twice)}, "raise", Counter())]
+    assert len(set(ids)) == 2   # a repeated prompt is its own row (eval resumes records by id)
     reordered = write_jsonl(tmp_path / "alpaca.jsonl", [json.dumps(r) for r in rows[::-1]])
     assert {c["id"] for c in read_source({"path": str(reordered), "prompt_field": "instruction"}, "raise",
                                          Counter())} == {c["id"] for c in got}
@@ -166,6 +169,9 @@ def test_json_files_of_lines_single_objects_and_folders_of_shards(tmp_path):
     (tmp_path / "shards").mkdir()
     write_jsonl(tmp_path / "shards" / "part-0.json", lines[:2])
     write_jsonl(tmp_path / "shards" / "part-1.jsonl", lines[2:])
+    (tmp_path / "shards" / "dataset_infos.json").write_text(json.dumps({"default": {"features": {}}}))  # not rows
+    (tmp_path / "shards" / ".cache").mkdir()
+    write_jsonl(tmp_path / "shards" / ".cache" / "stale.jsonl", lines)
     got = list(read_source({"path": str(tmp_path / "shards")}, "raise", Counter()))
     assert [c["messages"][0]["content"] for c in got] == ["p0", "p1", "p2"]
     (tmp_path / "one.json").write_text(json.dumps({"id": "u1", "data": ["hi", "yo"]}))

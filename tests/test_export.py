@@ -366,6 +366,16 @@ def test_publish_fills_the_placeholder_repo_in_the_uploaded_card(cfg_factory):
     assert "tau in vllm 0.32.0 (k=3" in card and "2.32 tokens with this head, 1.26 with vLLM's n-gram" in card
 
 
+def test_publish_refuses_an_export_of_another_head(cfg_factory):
+    """The card is made at publish time from the head trained now: an export made before a retraining would go
+    up with another head's card, so it is refused, naming the fix."""
+    cfg = export_with_report(cfg_factory)
+    (stage_dir(cfg, "train") / MARKER).write_text(json.dumps({"stage": "train", "fingerprint": "retrained"}))
+    cfg = OmegaConf.merge(cfg, {"stages": ["publish"], "publish": {"repo_id": "someone/x", "dry_run": True}})
+    with pytest.raises(PublishError, match="export again .*force=\\[export\\]"):
+        run_stages(cfg)
+
+
 def test_publish_refuses_a_card_with_a_local_path(eagle_export):
     cfg, _, _ = eagle_export
     card = stage_dir(cfg, "export") / "vllm" / "README.md"

@@ -117,3 +117,10 @@ def test_an_answer_the_target_did_not_end_trains_no_end_of_turn(name, thinking):
     assert masked(tok, conv, thinking) == ["Once upon a", f"The end.{EOT[name]}", "Once more upon"]
     ids, _ = tokenize_conversation(tok, conv, thinking)
     assert tok.decode(ids).count(EOT[name]) >= 3   # still in the sequence, as the target saw it in later turns
+
+
+@pytest.mark.parametrize("answer", ["e", "d", "end", ">"])
+def test_qwen3_short_answer_is_found_after_the_injected_block(answer):
+    """A last answer short enough to occur in the end of turn after it (<|im_end|>) is located where the answer
+    starts, after the empty <think> block the template puts before it."""
+    assert masked(real_tokenizer("qwen3-8b"), [U("Say it"), A(answer)]) == [f"{answer}<|im_end|>"]

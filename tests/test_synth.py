@@ -224,6 +224,25 @@ def test_ranks_write_the_batches_together_and_keep_what_one_process_keeps(fake_g
     assert synth.synthesize(model, tok, settings(n=10), path)[0] == alone and not fake_generate
 
 
+def test_two_runs_side_by_side_share_the_cache(fake_generate, tmp_path):
+    """Two heads of one target started side by side (two processes on one cache file; threads here): the second
+    waits for the first's lock, then replays what it wrote: every batch is generated once."""
+    import threading
+
+    tok, model = _build_tiny_tokenizer("chatml"), FakeModel()
+    alone, alone_stats = synth.synthesize(model, tok, settings(n=10), tmp_path / "alone.jsonl")
+    fake_generate.clear()
+    results = {}
+    threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, synth.synthesize(
+        model, tok, settings(n=10), tmp_path / "shared.jsonl"))) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results[0][0] == results[1][0] == alone
+    assert len(fake_generate) == alone_stats["batches_generated"]
+
+
 def test_synth_batches_are_heartbeat_progress(fake_generate, tmp_path):
     """Every batch, generated or replayed, advances the progress steps the heartbeats carry: ranks waiting on a
     rank-0-only data stage (vllm/openai backends) stopped after hang_minutes of a long synth as on a hung rank."""

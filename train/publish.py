@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from train.errors import UserError
 from train.export import FORMATS, current_card, portable
 from train.log import log
-from train.stages import require, stage_dir
+from train.stages import fingerprint, require, stage_dir
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
 # What an export folder may contain; anything else is refused rather than uploaded.
@@ -68,7 +68,12 @@ def run(cfg: DictConfig) -> dict:
     fmt = pcfg.format or FORMATS[cfg.head.type][0]
     if fmt not in FORMATS[cfg.head.type]:
         raise PublishError(f"publish.format {fmt!r} is not an export of a {cfg.head.type} head ({FORMATS[cfg.head.type]})")
-    require(cfg, "export")
+    marker = require(cfg, "export")
+    made_by = [fingerprint(OmegaConf.merge(cfg, {"publish": {"repo_id": r}}), "export") for r in (pcfg.repo_id, None)]
+    if marker.get("fingerprint") not in made_by:   # the card is made now: it must describe the weights sent
+        raise PublishError(f"the export in {stage_dir(cfg, 'export')} was made from another head or config than this "
+                           "command's (a retraining since, other overrides): export again with this command's "
+                           "overrides, e.g. add stages=[export,publish] force=[export]")
     folder = stage_dir(cfg, "export") / fmt
     if not folder.is_dir():
         raise PublishError(f"no export folder {folder}; run the export stage with this format first")
