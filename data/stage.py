@@ -57,11 +57,13 @@ _SHARED: dict = {}  # what the per-conversation work reads (set before the pool 
 
 
 def worker_count(dcfg: DictConfig, n_rows: int) -> int:
-    """Processes for the per-conversation work (``data.num_proc``; null: one per CPU core, at most 32, once there
-    are POOL_MIN_ROWS conversations: at 1M conversations one process renders the templates for hours)."""
+    """Processes for the per-conversation work (``data.num_proc``; null: one per CPU core of this rank's share of
+    the node, at most 32, once there are POOL_MIN_ROWS conversations: at 1M conversations one process renders the
+    templates for hours; 8 ranks that each read the sources do not fork 8 x 32 workers)."""
     if dcfg.get("num_proc") is not None:
         return max(1, int(dcfg.num_proc))
-    return 1 if n_rows < POOL_MIN_ROWS else min(32, os.cpu_count() or 1)
+    cores = (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return 1 if n_rows < POOL_MIN_ROWS else max(1, min(32, cores))
 
 
 def pool_map(fn: Callable, items: list, workers: int, desc: str, **shared) -> Iterator:

@@ -407,3 +407,19 @@ def test_processes_tokenize_what_one_process_does(cfg_factory, tmp_path):
     assert all(torch.equal(outs[0][2][k], outs[1][2][k]) for k in outs[0][2])
     assert outs[0][0]["dropped"] == {"dropped_eval_overlap": 1, "dropped_no_assistant_turn": 1}
     assert outs[0][0]["modified"]["truncated_to_max_length"] > 0
+
+
+def test_worker_count_shares_the_node_between_ranks(monkeypatch):
+    """data.num_proc null: one process below 2000 conversations, else the cores of this rank's share of the node
+    (8 ranks that each read the sources fork 8 x cores/8, not 8 x 32); an explicit value is used as given."""
+    from omegaconf import OmegaConf
+
+    from data.stage import POOL_MIN_ROWS, worker_count
+
+    monkeypatch.setattr("os.cpu_count", lambda: 64)
+    auto = OmegaConf.create({"num_proc": None})
+    assert worker_count(auto, POOL_MIN_ROWS - 1) == 1
+    assert worker_count(auto, POOL_MIN_ROWS) == 32
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert worker_count(auto, 10**6) == 8
+    assert worker_count(OmegaConf.create({"num_proc": 3}), 10) == 3
