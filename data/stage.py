@@ -16,7 +16,6 @@ Writes into ``<run_dir>/data/`` (format documented in the README, "Files between
 
 from __future__ import annotations
 
-import itertools
 import json
 import multiprocessing
 import os
@@ -189,9 +188,9 @@ def run(cfg: DictConfig) -> dict:
         convs.extend(read_source(source, dcfg.on_error, counts, synth=synth))
     eval_prompts = eval_prompt_set(cfg)
     kept = []
-    workers = worker_count(dcfg, len(convs))
-    leaked = list(pool_map(_leaks, convs, workers, "eval overlap", eval_prompts=eval_prompts)) if eval_prompts else []
-    for conv, leak in itertools.zip_longest(convs, leaked, fillvalue=False):
+    leaked = (list(pool_map(_leaks, convs, worker_count(dcfg, len(convs)), "eval overlap", eval_prompts=eval_prompts))
+              if eval_prompts else [False] * len(convs))
+    for conv, leak in zip(convs, leaked, strict=True):
         if leak:
             counts["dropped_eval_overlap"] += 1
             continue

@@ -18,7 +18,8 @@ answers the data stage regenerates.
 Resume: every generated batch is one line appended to a cache file (flushed and fsync'd) keyed by the
 target and the generation settings, not by ``n``: a rerun, or a larger ``n``, replays the cached
 batches through the filter and generates only the batches after them. Line:
-``{"batch": b, "outputs": [{"text", "category", "tokens", "hit_eos"}, ...]}`` (a torn last line is ignored).
+``{"batch": b, "outputs": [{"text", "category", "tokens", "hit_eos"}, ...]}`` (a line torn by a crash is sealed by
+a newline, then ignored).
 
 Under a launcher (``hf`` regeneration: every rank reads the sources) the ranks write the batches together:
 rank r generates the batches b = r mod world into its own part file (``<cache>.part<r>.jsonl``), running at
@@ -43,7 +44,7 @@ import numpy as np
 import torch
 from filelock import FileLock
 
-from data.formats import DataError, read_jsonl, rewrite_jsonl
+from data.formats import DataError
 from data.regenerate import eos_ids, generate
 from data.template import user_turn_prefix
 from train import dist
@@ -164,16 +165,6 @@ def cache_file(directory: str | Path, target_fp: str, s: dict) -> Path:
     return Path(directory) / f"{digest}.jsonl"
 
 
-def read_batches(path: Path) -> list[dict]:
-    """The cached batches 0, 1, ... in order (stops at a torn line or a gap)."""
-    batches = []
-    for row in read_jsonl(path):
-        if row.get("batch") != len(batches):
-            break
-        batches.append(row)
-    return batches
-
-
 def part_file(path: Path, rank: int) -> Path:
     return path.with_name(f"{path.stem}.part{rank}.jsonl")
 
@@ -233,10 +224,8 @@ def synthesize(model, tokenizer, s: dict, path: Path, name: str = "synth", rank:
 
 def _synthesize(model, tokenizer, s: dict, path: Path, mine: Path, name: str, rank: int,
                 world: int) -> tuple[list[dict], dict]:
-    if world == 1 and path.exists():  # one process: drop a torn last line before appending
-        rewrite_jsonl(path, [r for r in read_jsonl(path) if isinstance(r.get("batch"), int) and "outputs" in r])
-    elif mine.exists() and mine.stat().st_size:
-        with open(mine, "rb+") as f:   # the other ranks read this file as it grows: seal a torn line, never rewrite
+    if mine.exists() and mine.stat().st_size:
+        with open(mine, "rb+") as f:   # other ranks may read this file as it grows: seal a torn line, never rewrite
             f.seek(-1, os.SEEK_END)
             if f.read(1) != b"\n":
                 f.write(b"\n")

@@ -153,6 +153,11 @@ class FakeModel(torch.nn.Module):
         self.generation_config = None
 
 
+def batches_in(path) -> dict[int, list[dict]]:
+    """The batches a synth cache holds (its part files' too)."""
+    return synth.BatchFiles(path).refresh()
+
+
 def settings(**kw):
     return synth.settings({"type": "synth", "batch_size": 4, "min_chars": 5, **kw}, seed=0)
 
@@ -162,10 +167,10 @@ def test_synth_is_seeded_on_the_real_generate(tiny_qwen2_cfg, tmp_path):
     s = settings(n=4, max_new_tokens=6, max_attempts=8)
     for name in ("a", "b"):
         synth.synthesize(model, tok, s, tmp_path / f"{name}.jsonl")
-    a = synth.read_batches(tmp_path / "a.jsonl")
-    assert len(a) == 2 and a == synth.read_batches(tmp_path / "b.jsonl")
+    a = batches_in(tmp_path / "a.jsonl")
+    assert len(a) == 2 and a == batches_in(tmp_path / "b.jsonl")
     synth.synthesize(model, tok, {**s, "seed": 1}, tmp_path / "c.jsonl")
-    assert synth.read_batches(tmp_path / "c.jsonl") != a
+    assert batches_in(tmp_path / "c.jsonl") != a
 
 
 def test_synth_dedups_resumes_and_counts_calls(fake_generate, tmp_path):
@@ -183,15 +188,15 @@ def test_synth_dedups_resumes_and_counts_calls(fake_generate, tmp_path):
     path = tmp_path / "resumed.jsonl"
     fake_generate.clear()
     first, st = synth.synthesize(model, tok, settings(n=3), path)
-    assert first == fresh[:3] and st["batches_generated"] == len(fake_generate) == len(synth.read_batches(path))
+    assert first == fresh[:3] and st["batches_generated"] == len(fake_generate) == len(batches_in(path))
     with open(path, "a") as f:
         f.write('{"batch": 99, "outp')
-    before = len(synth.read_batches(path))
+    before = len(batches_in(path))
     fake_generate.clear()
     again, st = synth.synthesize(model, tok, settings(n=10), path)
     assert again == fresh and st["batches_cached"] == before
     assert len(fake_generate) == fresh_stats["batches_generated"] - before == st["batches_generated"]
-    assert len(synth.read_batches(path)) == fresh_stats["batches_generated"]
+    assert len(batches_in(path)) == fresh_stats["batches_generated"]
     # A complete cache: nothing is generated, and the model is not even loaded.
     fake_generate.clear()
     assert synth.synthesize(lambda: pytest.fail("loaded"), tok, settings(n=10), path)[0] == fresh
@@ -280,4 +285,4 @@ def test_synth_source_through_the_data_stage(fake_generate, cfg_factory, tmp_pat
     for key in ("distinct_1", "distinct_2", "near_duplicate_rate", "duplicate_rate", "words_histogram", "file"):
         assert key in st
     assert 0 < st["distinct_1"] <= 1 and sum(st["words_histogram"].values()) == 6
-    assert len(synth.read_batches(tmp_path.joinpath(st["file"]))) == st["batches_generated"] > 0
+    assert len(batches_in(tmp_path.joinpath(st["file"]))) == st["batches_generated"] > 0

@@ -470,6 +470,7 @@ def run(cfg: DictConfig) -> dict:
         raise ExportError(f"formats {bad} do not apply to a {cfg.head.type} head (valid: {FORMATS[cfg.head.type]})")
     dtype = getattr(torch, cfg.export.dtype)
     report, vllm_check = measurements(cfg)
+    summary = train_summary(cfg)
     written = {}
     for fmt in formats:
         tensors, config = build(fmt, head, target, cfg, dtype)
@@ -480,7 +481,7 @@ def run(cfg: DictConfig) -> dict:
         tmp.mkdir(parents=True)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        (tmp / "README.md").write_text(model_card(fmt, cfg, head.config, report, train_summary(cfg), vllm_check))
+        (tmp / "README.md").write_text(model_card(fmt, cfg, head.config, report, summary, vllm_check))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         written[fmt] = str(final)
