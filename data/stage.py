@@ -31,7 +31,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_file
 
-from data.engines import regenerate_answers
+from data.engines import engine_client, regenerate_answers
 from data.formats import (
     DataError,
     humaneval_path,
@@ -173,14 +173,11 @@ def sample_train_rows(convs: list[dict], n: int | None, seed: int) -> list[dict]
     return [c for c in convs if c["split"] != "train" or id(c) in kept]
 
 
-def run(cfg: DictConfig) -> dict:
+def read_conversations(cfg: DictConfig, synth: Synthesizer) -> tuple[list[dict], Counter, int]:
+    """The conversations of ``data.sources`` this run trains and validates on (eval overlaps dropped, splits
+    assigned, ``data.train_rows`` applied), the counts of what was dropped or changed, and the training rows
+    ``data.train_rows`` left out."""
     dcfg = cfg.data
-    out = stage_dir(cfg, "data")
-    start = time.time()
-    tokenizer = load_tokenizer(cfg)
-    check_template(tokenizer)
-    set_thinking(dcfg.get("thinking"))  # enable_thinking for every render (regeneration, masks)
-    synth = Synthesizer(cfg, tokenizer)
     counts = Counter()
     convs = []
     for source in dcfg.sources:
@@ -199,15 +196,29 @@ def run(cfg: DictConfig) -> dict:
     if counts["dropped_eval_overlap"]:
         log(f"[data] dropped {counts['dropped_eval_overlap']} conversations overlapping evaluation prompts")
     convs = sample_train_rows(kept, dcfg.get("train_rows"), cfg.seed)  # before regeneration: only these are answered
-    train_rows_left_out = len(kept) - len(convs)
+    return convs, counts, len(kept) - len(convs)
 
-    regen_stats = None
+
+def run(cfg: DictConfig) -> dict:
+    dcfg = cfg.data
+    out = stage_dir(cfg, "data")
+    start = time.time()
+    tokenizer = load_tokenizer(cfg)
+    check_template(tokenizer)
+    set_thinking(dcfg.get("thinking"))  # enable_thinking for every render (regeneration, masks)
+    # One server (data.regen.backend vllm: started at its first request) writes the synth prompts and the answers.
+    with engine_client(cfg) as client:
+        synth = Synthesizer(cfg, tokenizer, client)
+        convs, counts, train_rows_left_out = read_conversations(cfg, synth)
+        regen_stats = None
+        if dcfg.regenerate:
+            path = cache_file(dcfg.regen.dir, target_fingerprint(cfg), dcfg.regen, dcfg.system_prompt,
+                              dcfg.get("thinking"))
+            # data.regen.backend: hf (split across ranks under a launcher) | vllm | openai (data/engines.py)
+            regen_stats = regenerate_answers(cfg, convs, tokenizer, path, client)
+            if regen_stats is None:  # a rank other than 0: its share is written; rank 0 does the rest alone
+                return None
     if dcfg.regenerate:
-        path = cache_file(dcfg.regen.dir, target_fingerprint(cfg), dcfg.regen, dcfg.system_prompt, dcfg.get("thinking"))
-        # data.regen.backend: hf (split across ranks under a launcher) | vllm | openai (data/engines.py)
-        regen_stats = regenerate_answers(cfg, convs, tokenizer, path)
-        if regen_stats is None:  # a rank other than 0: its share is written; rank 0 does the rest alone
-            return None
         regen_stats["file"] = str(path)
         cached = read_cache(path)
         for conv in convs:

@@ -4,10 +4,12 @@
 turn's content starts (``data.template.user_turn_prefix``: a sentinel user message, cut before it; e.g.
 ChatML ``<|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\n``) and the target continues it; the
 text up to its end-of-turn token is a prompt. Optional ``hints: [{category, hint}]`` replace the system
-turn of that prefix to steer topics (cycled over the attempts). Generation is
-``data.regenerate.generate`` (batched, temperature/top-p sampling), one ``torch.Generator`` per batch
-seeded from (seed, batch index): the same seed gives the same prompts, and a resumed run the same
-prompts as an uninterrupted one.
+turn of that prefix to steer topics (cycled over the attempts). The regeneration backend writes them
+(temperature/top-p sampling): ``hf``, the target in this process (``data.regenerate.generate``, batched, one
+``torch.Generator`` per batch seeded from (seed, batch index)); ``vllm`` and ``openai``, the data stage's server
+(:class:`ServerWriter`: the prompts of several batches in flight, one seed per request from (seed, batch,
+index)); the same seed and backend give the same prompts, and a resumed run the same prompts as an
+uninterrupted one.
 
 Filtering, in attempt order: ``truncated`` (no end-of-turn within max_new_tokens), ``empty``,
 ``too_short`` (< min_chars), ``duplicate`` (equal normalised text), ``near_duplicate`` (character
@@ -17,7 +19,8 @@ answers the data stage regenerates.
 
 Resume: every generated batch is one line appended to a cache file (flushed and fsync'd) keyed by the
 target and the generation settings, not by ``n``: a rerun, or a larger ``n``, replays the cached
-batches through the filter and generates only the batches after them. Line:
+batches through the filter and generates only the batches after them (whichever backend wrote them: both
+sample the target with the same settings). Line:
 ``{"batch": b, "outputs": [{"text", "category", "tokens", "hit_eos"}, ...]}`` (a line torn by a crash is sealed by
 a newline, then ignored).
 
@@ -30,6 +33,7 @@ every part file.
 
 from __future__ import annotations
 
+import concurrent.futures as futures
 import hashlib
 import json
 import os
@@ -37,7 +41,8 @@ import re
 import statistics
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -200,30 +205,97 @@ def _batch_generator(device, seed: int, batch: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(value)
 
 
-def _eos_ids(model, tokenizer, suffix: str) -> set[int]:
+def _eos_ids(generation_config, tokenizer, suffix: str) -> set[int]:
     """EOS ids (as regeneration stops) plus the token that ends a user turn (the first special token after
     the user content)."""
     special = set(tokenizer.all_special_ids) | {
         i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False)}
     end_of_turn = [i for i in tokenizer(suffix, add_special_tokens=False)["input_ids"] if i in special][:1]
-    return eos_ids(tokenizer, getattr(model, "generation_config", None)) | set(end_of_turn)
+    return eos_ids(tokenizer, generation_config) | set(end_of_turn)
 
 
-def synthesize(model, tokenizer, s: dict, path: Path, name: str = "synth", rank: int = 0,
-               world: int = 1) -> tuple[list[dict], dict]:
-    """The first ``s["n"]`` kept prompts ``[{id, prompt, category}]`` and the source's stats. ``model``: the
-    target, or a function returning it (called only when the cache does not already hold enough). With
-    ``world`` > 1 this is rank ``rank`` of ``world`` processes writing the batches together (every one calls it).
-    The file this process appends to is locked from before it is read (runs of two heads of one target side by
-    side share the cache: the second waits, then reads what the first wrote)."""
+Jobs = list[tuple[int, list[list[int]]]]  # (batch index, the prompts' token ids) to generate
+
+
+class TargetWriter:
+    """Batches written by the target in this process (the ``hf`` backend): ``load()`` gives it, called on first
+    use only (a cache holding enough loads nothing); one batch per call, sampled with one generator per batch
+    seeded from (seed, batch)."""
+
+    def __init__(self, load: Callable[[], torch.nn.Module]):
+        self.load, self.model = load, None
+
+    def target(self) -> torch.nn.Module:
+        if self.model is None:
+            self.model = self.load()
+        return self.model
+
+    def generation_config(self):
+        return getattr(self.target(), "generation_config", None)
+
+    def at_once(self, batch_size: int) -> int:
+        return 1
+
+    def __call__(self, jobs: Jobs, tokenizer, eos: set[int], s: dict) -> Iterator[tuple[int, list[dict]]]:
+        model = self.target()
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        for b, prompts in jobs:
+            gens = generate(model, prompts, s["max_new_tokens"], eos, pad, s["temperature"], s["top_p"],
+                            _batch_generator(next(model.parameters()).device, s["seed"], b))
+            yield b, [{"text": tokenizer.decode(g.tokens, skip_special_tokens=True).strip(), "tokens": len(g.tokens),
+                       "hit_eos": g.hit_eos} for g in gens]
+
+
+class ServerWriter:
+    """Batches written through the data stage's server (the ``openai`` and ``vllm`` backends,
+    :func:`data.engines.engine_client`): the prompts of as many batches as fill ``client.concurrency`` are in
+    flight at once, each request seeded from (seed, batch, index); answers checked and decoded as regeneration's
+    (:meth:`data.engines.OpenAIClient.answer`). A vLLM server starts at the first batch to generate."""
+
+    def __init__(self, client, generation_config):
+        self.client, self.config = client, generation_config
+
+    def generation_config(self):
+        return self.config
+
+    def at_once(self, batch_size: int) -> int:
+        return max(1, -(-self.client.concurrency // batch_size))
+
+    def __call__(self, jobs: Jobs, tokenizer, eos: set[int], s: dict) -> Iterator[tuple[int, list[dict]]]:
+        from data.engines import request_seed
+
+        client = self.client
+        client.resolve_model()  # an unreachable server fails before any request
+        pool = futures.ThreadPoolExecutor(max_workers=client.concurrency)
+        try:
+            asked = [(b, [pool.submit(client.complete, ids, eos, request_seed(s["seed"], f"synth-{b}", k),
+                                      s["max_new_tokens"], s["temperature"], s["top_p"])
+                          for k, ids in enumerate(prompts)]) for b, prompts in jobs]
+            for b, answers in asked:  # in batch order: each is written as soon as it and those before it are done
+                outs = []
+                for answer in answers:
+                    text, n, hit_eos = client.answer(answer.result(), tokenizer, eos)
+                    outs.append({"text": text.strip(), "tokens": n, "hit_eos": hit_eos})
+                yield b, outs
+        finally:  # an error or Ctrl-C: the requests not started are dropped, the ones in flight end
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def synthesize(writer: TargetWriter | ServerWriter, tokenizer, s: dict, path: Path, name: str = "synth",
+               rank: int = 0, world: int = 1) -> tuple[list[dict], dict]:
+    """The first ``s["n"]`` kept prompts ``[{id, prompt, category}]`` and the source's stats. ``writer``
+    generates the batches the cache does not hold yet. With ``world`` > 1 this is rank ``rank`` of ``world``
+    processes writing the batches together (every one calls it). The file this process appends to is locked
+    from before it is read (runs of two heads of one target side by side share the cache: the second waits,
+    then reads what the first wrote)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     mine = path if world == 1 else part_file(path, rank)
     with FileLock(str(mine) + ".lock"):
-        return _synthesize(model, tokenizer, s, path, mine, name, rank, world)
+        return _synthesize(writer, tokenizer, s, path, mine, name, rank, world)
 
 
-def _synthesize(model, tokenizer, s: dict, path: Path, mine: Path, name: str, rank: int,
-                world: int) -> tuple[list[dict], dict]:
+def _synthesize(writer: TargetWriter | ServerWriter, tokenizer, s: dict, path: Path, mine: Path, name: str,
+                rank: int, world: int) -> tuple[list[dict], dict]:
     if mine.exists() and mine.stat().st_size:
         with open(mine, "rb+") as f:   # other ranks may read this file as it grows: seal a torn line, never rewrite
             f.seek(-1, os.SEEK_END)
@@ -236,31 +308,32 @@ def _synthesize(model, tokenizer, s: dict, path: Path, mine: Path, name: str, ra
     for h in hints:
         prefix, suffix = user_turn_prefix(tokenizer, h["hint"])
         prefixes[h["hint"]] = tokenizer(prefix, add_special_tokens=False)["input_ids"]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     filt = PromptFilter(s["near_duplicate"], s["min_chars"])
     kept, dropped, tokens = [], Counter(), []
     bs, generated, start = s["batch_size"], 0, time.time()
     cached = len(batches)
-    eos = _eos_ids(model, tokenizer, suffix) if isinstance(model, torch.nn.Module) else set()
+    eos: set[int] | None = None  # known once the writer is asked for its first batch (hf: the target loaded)
     last = -(-s["max_attempts"] // bs)  # batches at most
+    at_once = writer.at_once(bs)
 
-    def write(f, b: int) -> None:
-        """Generate batch ``b`` and append it to this process's file."""
-        nonlocal model, eos, generated
-        if not isinstance(model, torch.nn.Module):
-            model = model()
-            eos = _eos_ids(model, tokenizer, suffix)
-        cats = [hints[(b * bs + k) % len(hints)] for k in range(bs)]
-        gens = generate(model, [prefixes[h["hint"]] for h in cats], s["max_new_tokens"], eos, pad,
-                        s["temperature"], s["top_p"], _batch_generator(next(model.parameters()).device, s["seed"], b))
-        batches[b] = [{"text": tokenizer.decode(g.tokens, skip_special_tokens=True).strip(), "category": h["category"],
-                       "tokens": len(g.tokens), "hit_eos": g.hit_eos} for h, g in zip(cats, gens, strict=True)]
-        f.write(json.dumps({"batch": b, "outputs": batches[b]}) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-        generated += 1
-        log(f"[data] synth: batch {b} generated ({len(kept)} of {s['n']} prompts kept before it, "
-            f"{time.time() - start:.0f} s)")
+    def categories(b: int) -> list[dict]:
+        return [hints[(b * bs + k) % len(hints)] for k in range(bs)]
+
+    def write(f, todo: list[int]) -> None:
+        """Generate the batches ``todo`` and append each to this process's file as it is done."""
+        nonlocal eos, generated
+        if eos is None:
+            eos = _eos_ids(writer.generation_config(), tokenizer, suffix)
+        jobs = [(b, [prefixes[h["hint"]] for h in categories(b)]) for b in todo]
+        with closing(writer(jobs, tokenizer, eos, s)) as made:  # a failed write ends the writer's requests too
+            for b, outs in made:
+                batches[b] = [{**o, "category": h["category"]} for h, o in zip(categories(b), outs, strict=True)]
+                f.write(json.dumps({"batch": b, "outputs": batches[b]}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+                generated += 1
+                log(f"[data] synth: batch {b} generated ({len(kept)} of {s['n']} prompts kept before batch "
+                    f"{todo[0]}, {time.time() - start:.0f} s)")
 
     b = 0
     # A bar over the batches (replayed or generated): its steps are the heartbeat's progress, so ranks waiting on a
@@ -269,10 +342,11 @@ def _synthesize(model, tokenizer, s: dict, path: Path, mine: Path, name: str, ra
     with open(mine, "a", encoding="utf-8") as f, bar:
         while len(kept) < s["n"] and b < last:
             if b not in batches:
-                ahead = [c for c in range(b, min(last, b + LOOKAHEAD * world)) if c % world == rank and c not in batches]
-                if ahead:
-                    write(f, ahead[0])   # this rank's next batch (batch b itself when it is this rank's)
-                else:                    # another rank's batch: written soon
+                ahead = [c for c in range(b, min(last, b + max(LOOKAHEAD, at_once) * world))
+                         if c % world == rank and c not in batches]
+                if ahead:  # this rank's next batches (batch b first when it is this rank's), no more than n needs
+                    write(f, ahead[:max(1, min(at_once, -(-(s["n"] - len(kept)) // bs)))])
+                else:      # another rank's batch: written soon
                     time.sleep(0.5)
                     files.refresh()
                 continue
@@ -308,13 +382,15 @@ def _synthesize(model, tokenizer, s: dict, path: Path, mine: Path, name: str, ra
 
 
 class Synthesizer:
-    """What ``read_source`` calls for ``type: synth``: loads the target on first use, returns rows, and
-    keeps each source's stats (``stats[name]``) for ``stats.json``."""
+    """What ``read_source`` calls for ``type: synth``: returns rows, and keeps each source's stats
+    (``stats[name]``) for ``stats.json``. The batches are written by ``client``'s server (the ``openai`` and
+    ``vllm`` backends, :func:`data.engines.engine_client`), else by the target loaded in this process on first use."""
 
-    def __init__(self, cfg, tokenizer):
-        self.cfg, self.tokenizer, self.stats = cfg, tokenizer, {}
+    def __init__(self, cfg, tokenizer, client=None):
+        self.cfg, self.tokenizer, self.client, self.stats = cfg, tokenizer, client, {}
 
     def __call__(self, source: dict, name: str) -> Iterator[tuple[str, dict]]:
+        from data.engines import generation_config
         from train.stages import shares_work
         from train.target import load_target, regen_dtype, target_fingerprint
 
@@ -326,8 +402,12 @@ class Synthesizer:
         # Under a launcher with hf regeneration every rank reads the sources: they write the batches together
         # (rank r the batches b = r mod world) and each filters all of them (every rank has the same prompts).
         world = dist.world_size() if shares_work(self.cfg, "data") else 1
-        kept, self.stats[name] = synthesize(lambda: load_target(self.cfg, dtype=regen_dtype(self.cfg)),
-                                            self.tokenizer, s, path, name, dist.rank() if world > 1 else 0, world)
+        if self.client is None:
+            writer = TargetWriter(lambda: load_target(self.cfg, dtype=regen_dtype(self.cfg)))
+        else:
+            writer = ServerWriter(self.client, generation_config(self.cfg))
+        kept, self.stats[name] = synthesize(writer, self.tokenizer, s, path, name, dist.rank() if world > 1 else 0,
+                                            world)
         st = self.stats[name]
         log(f"[data] synth: {st['kept']} prompts ({st['attempts']} attempts, {st['batches_generated']} batches "
             f"generated, {st['batches_cached']} cached; near-duplicates {st['near_duplicate_rate']:.1%}; "

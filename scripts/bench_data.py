@@ -53,15 +53,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--limit", type=int, default=32, help="built-in prompts")
     ap.add_argument("--vllm", action="store_true", help="also data.regen.backend=vllm (needs `make vllm-env`)")
+    ap.add_argument("--synth", type=int, default=0, help="also this many prompts written by the target (a synth "
+                    "source: through the server with --vllm's mode)")
     ap.add_argument("overrides", nargs="*", help="pipeline overrides, e.g. model=tiny-llama")
     args = ap.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="specheads-bench-data-"))
-    common = ["tracking=none", "stages=[data,extract]", f"data.sources=[{{type:builtin,limit:{args.limit}}}]",
-              *args.overrides]
+    sources = f"{{type:builtin,limit:{args.limit}}}" + (f",{{type:synth,n:{args.synth}}}" if args.synth else "")
+    common = ["tracking=none", "stages=[data,extract]", f"data.sources=[{sources}]", *args.overrides]
     modes = {"hf+pass": ["extract.source=pass"], "hf+kept": ["extract.source=regen"]}
     if args.vllm:
         modes["vllm+pass"] = ["extract.source=pass", "data.regen.backend=vllm", "data.regen.vllm.max_model_len=4096"]
-    rows, cfgs = [], {}
+    rows, cfgs, synths = [], {}, []
     for source, extra in modes.items():
         overrides = [*common, *extra, f"output_root={scratch / source}"]
         subprocess.run([sys.executable, str(ROOT / "train/run.py"), *overrides], cwd=ROOT, check=True)
@@ -72,6 +74,9 @@ def main() -> None:
         tokens = manifest["tokens"]
         wall = data["wall_s"] + extract["wall_s"]
         regen = stats["regeneration"]
+        if args.synth:
+            st = stats["synth"]["synth"]
+            synths.append((source, st["kept"], st["attempts"], st["seconds"], st["kept"] / max(st["seconds"], 1e-9)))
         rows.append((source, regen["new_tokens"], regen["tokens_per_s"], tokens, data["wall_s"], extract["wall_s"],
                      wall, tokens / wall, manifest.get("from_regeneration", {}).get("rows", 0),
                      sum(manifest["rows"].values())))
@@ -81,10 +86,16 @@ def main() -> None:
         print(f"{source:10} {new:>8} {regen_rate:>11} {tokens:>7} {d:>7.1f} {e:>9.1f} {w:>8.1f} {rate:>7.1f} "
               f"{kept:>5}/{total}")
     print(f"end-to-end speed-up hf+kept / hf+pass: {rows[1][7] / rows[0][7]:.2f}x")
+    if synths:
+        print(f"\n{'mode':10} {'prompts':>8} {'attempts':>8} {'synth s':>8} {'prompts/s':>9}  (vllm: server start "
+              "included)")
+        for source, kept, attempts, seconds, rate in synths:
+            print(f"{source:10} {kept:>8} {attempts:>8} {seconds:>8.1f} {rate:>9.2f}")
     if args.vllm:
         hf, vl = (rows_by_key(cfgs[m]) for m in ("hf+pass", "vllm+pass"))
-        same = sum(hf[k] == vl.get(k) for k in hf)
-        print(f"hf / vllm answers: {same}/{len(hf)} rows token-identical (prompt + answers)")
+        common = [k for k in hf if k in vl]  # synth prompts differ by backend (each samples with its own seeds)
+        same = sum(hf[k] == vl[k] for k in common)
+        print(f"hf / vllm answers: {same}/{len(common)} rows of the same prompts token-identical (prompt + answers)")
     a, b = shards(cfgs["hf+kept"]), shards(cfgs["hf+pass"])
     same = [k for k in a if k in b and a[k][0].shape == b[k][0].shape]
     diff = max((a[k][0] - b[k][0]).abs().max().item() for k in same)

@@ -36,14 +36,18 @@ class Stub:
     generation from the prompt token ids. ``fail_after`` requests then HTTP 500; ``delay_s`` per request;
     ``max_model_len``: listed, and a prompt + max_tokens beyond it is HTTP 400 (SGLang); ``abort``: the n-th
     request's answer ends with finish_reason "abort" (a server stopping). Answers carry their token ids and their
-    text, ``text(ids)``; ``text_only``: the text alone (a server without return_token_ids)."""
+    text, ``text(ids)``; ``text_only``: the text alone (a server without return_token_ids). ``answer(body)``: (new
+    ids, hit_eos) instead of the model's generation. ``most_in_flight``: the most requests it held at once."""
 
-    def __init__(self, model, eos: set[int], pad_id: int, text: Callable[[list[int]], str],
+    def __init__(self, model, pad_id: int, text: Callable[[list[int]], str],
                  fail_after: int | None = None, delay_s: float = 0.0, max_model_len: int | None = None,
-                 abort: int | None = None, text_only: bool = False):
-        self.model, self.eos, self.pad_id, self.text, self.text_only = model, eos, pad_id, text, text_only
+                 abort: int | None = None, text_only: bool = False,
+                 answer: Callable[[dict], tuple[list[int], bool]] | None = None):
+        self.model, self.pad_id, self.text, self.text_only = model, pad_id, text, text_only
         self.fail_after, self.delay_s, self.max_model_len, self.abort = fail_after, delay_s, max_model_len, abort
+        self.answer = answer or self.generate
         self.requests: list[dict] = []
+        self.in_flight = self.most_in_flight = 0
         self.lock = threading.Lock()
         stub = self
 
@@ -72,11 +76,13 @@ class Stub:
                         return self.reply(500, "boom: the engine died")
                     if stub.max_model_len and len(body["prompt"]) + body["max_tokens"] > stub.max_model_len:
                         return self.reply(400, "Requested token count exceeds the model's maximum context length")
-                    out = generate(stub.model, [body["prompt"]], body["max_tokens"], set(body["stop_token_ids"]),
-                                   stub.pad_id)[0]
-                    new, hit_eos = out.tokens, out.hit_eos
+                    new, hit_eos = stub.answer(body)
+                    stub.in_flight += 1
+                    stub.most_in_flight = max(stub.most_in_flight, stub.in_flight)
                 time.sleep(stub.delay_s)
-                ids = new + ([min(stub.eos)] if hit_eos else [])
+                with stub.lock:
+                    stub.in_flight -= 1
+                ids = new + ([min(body["stop_token_ids"])] if hit_eos else [])
                 reason = "abort" if n == stub.abort else "stop" if hit_eos else "length"
                 answer = {"text": stub.text(new)} | ({} if stub.text_only else {"token_ids": ids})
                 self.reply(200, {"choices": [{**answer, "finish_reason": reason}],
@@ -85,6 +91,11 @@ class Stub:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def generate(self, body: dict) -> tuple[list[int], bool]:
+        """The model's greedy answer to the request's prompt ids."""
+        out = generate(self.model, [body["prompt"]], body["max_tokens"], set(body["stop_token_ids"]), self.pad_id)[0]
+        return out.tokens, out.hit_eos
 
     def close(self):
         self.server.shutdown()
@@ -95,7 +106,7 @@ class Stub:
 def tiny(tiny_llama_cfg):
     model, tok = load_target(tiny_llama_cfg), load_tokenizer(tiny_llama_cfg)
     rcfg = tiny_llama_cfg.data.regen.copy()
-    rcfg.max_new_tokens, rcfg.batch_size, rcfg.concurrency, rcfg.timeout_s, rcfg.retries = 12, 3, 3, 30, 0
+    rcfg.max_new_tokens, rcfg.batch_size, rcfg.timeout_s, rcfg.retries = 12, 3, 30, 0
     return model, tok, rcfg, eos_ids(tok, model.generation_config)
 
 
@@ -109,9 +120,9 @@ def reference(tiny, tmp_path_factory):
 
 
 def stub_for(tiny, **kw) -> Stub:
-    model, tok, _, eos = tiny
+    model, tok, _, _ = tiny
     kw.setdefault("text", partial(tok.decode, skip_special_tokens=True))
-    return Stub(model, eos, tok.pad_token_id, **kw)
+    return Stub(model, tok.pad_token_id, **kw)
 
 
 def test_openai_backend_writes_what_hf_writes(tiny, reference, tmp_path):
@@ -119,7 +130,7 @@ def test_openai_backend_writes_what_hf_writes(tiny, reference, tmp_path):
     stub = stub_for(tiny)
     try:
         path = tmp_path / "openai.jsonl"
-        stats = regenerate_openai(CONVS, tok, rcfg, None, path, OpenAIClient(stub.url, None, 30, 0), eos)
+        stats = regenerate_openai(CONVS, tok, rcfg, None, path, OpenAIClient(stub.url, None, 30, 0, 3), eos)
     finally:
         stub.close()
     got = read_cache(path)
@@ -157,13 +168,11 @@ def test_openai_backend_unreachable_url(tiny, tmp_path):
 ])
 def test_openai_backend_failure_keeps_answers_and_resumes(tiny, reference, tmp_path, failure, error):
     _, tok, rcfg, eos = tiny
-    rcfg = rcfg.copy()
-    rcfg.concurrency = 1
     path = tmp_path / "c.jsonl"
     stub = stub_for(tiny, **failure)
     try:
         with pytest.raises(RegenError, match=error + r".* complete conversations are kept in .*rerun to resume"):
-            regenerate_openai(CONVS, tok, rcfg, None, path, OpenAIClient(stub.url, None, 30, 1, backoff_s=0.05), eos)
+            regenerate_openai(CONVS, tok, rcfg, None, path, OpenAIClient(stub.url, None, 30, 1, 1, backoff_s=0.05), eos)
     finally:
         stub.close()
     kept = read_cache(path)
@@ -171,7 +180,7 @@ def test_openai_backend_failure_keeps_answers_and_resumes(tiny, reference, tmp_p
                                   for k, r in kept.items())
     stub = stub_for(tiny)
     try:
-        stats = regenerate_openai(CONVS, tok, rcfg, None, path, OpenAIClient(stub.url, None, 30, 0), eos)
+        stats = regenerate_openai(CONVS, tok, rcfg, None, path, OpenAIClient(stub.url, None, 30, 0, 3), eos)
     finally:
         stub.close()
     assert stats["cached"] == sum(r["complete"] for r in kept.values()) > 0
@@ -221,7 +230,7 @@ def both_backends(tiny, rcfg, max_length: int, hf: Path, oa: Path) -> Stub:
     regenerate(CONVS, model, tok, rcfg, None, hf, max_length=max_length)
     stub = stub_for(tiny)
     try:
-        regenerate_openai(CONVS, tok, rcfg, None, oa, OpenAIClient(stub.url, None, 30, 0), eos, max_length)
+        regenerate_openai(CONVS, tok, rcfg, None, oa, OpenAIClient(stub.url, None, 30, 0, 3), eos, max_length)
     finally:
         stub.close()
     return stub
@@ -277,7 +286,7 @@ def test_a_server_of_another_model_is_refused(tiny, tmp_path):
     stub = stub_for(tiny, text=lambda ids: "".join(chr(0x4E00 + i) for i in ids))   # another vocabulary
     try:
         with pytest.raises(RegenError, match="does not use the target's tokenizer"):
-            regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl", OpenAIClient(stub.url, None, 30, 0), eos)
+            regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl", OpenAIClient(stub.url, None, 30, 0, 3), eos)
     finally:
         stub.close()
     assert not read_cache(tmp_path / "c.jsonl")
@@ -291,7 +300,7 @@ def test_answers_fit_the_servers_context(tiny, reference, tmp_path):
     context = len(prompt_ids(tok, CONVS[0]["messages"][:1])) + 8   # every first turn fits with 8 new tokens at most
     stub = stub_for(tiny, max_model_len=context)
     try:
-        regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl", OpenAIClient(stub.url, None, 30, 0), eos)
+        regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl", OpenAIClient(stub.url, None, 30, 0, 3), eos)
     finally:
         stub.close()
     got = read_cache(tmp_path / "c.jsonl")
@@ -312,7 +321,7 @@ def test_each_sampled_answer_has_its_own_seed(tiny, tmp_path):
     for run in range(2):
         stub = stub_for(tiny)
         try:
-            regenerate_openai(CONVS, tok, rcfg, None, tmp_path / f"{run}.jsonl", OpenAIClient(stub.url, None, 30, 0), eos)
+            regenerate_openai(CONVS, tok, rcfg, None, tmp_path / f"{run}.jsonl", OpenAIClient(stub.url, None, 30, 0, 3), eos)
         finally:
             stub.close()
         seeds.append({(tuple(r["prompt"]), r["seed"]) for r in stub.requests})
@@ -366,7 +375,7 @@ def test_a_server_without_answer_ids_is_named_once(tiny, tmp_path, caplog):
     stub = stub_for(tiny, text_only=True)
     try:
         with caplog.at_level("INFO", logger="specheads"):
-            regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl", OpenAIClient(stub.url, None, 30, 0), eos)
+            regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl", OpenAIClient(stub.url, None, 30, 0, 3), eos)
     finally:
         stub.close()
     assert sum("returns no answer token ids" in r.message for r in caplog.records) == 1
@@ -384,16 +393,16 @@ def test_vllm_backend_refuses_a_port_with_a_server(tmp_path):
         cfg = make_cfg(["model=tiny-llama", f"output_root={tmp_path}", "data.regen.backend=vllm",
                         f"data.regen.vllm.port={busy.getsockname()[1]}", "data.regen.vllm.python=/nonexistent/bin/python"])
         with pytest.raises(RegenError, match=r"127.0.0.1:\d+ already has a server .*leave the port null"):
-            with VLLMServer(cfg, tmp_path / "vllm_server.log"):
-                pass
+            with VLLMServer(cfg, tmp_path / "vllm_server.log") as server:
+                server.start()
 
 
 def test_vllm_backend_names_a_bad_interpreter(tmp_path):
     cfg = make_cfg(["model=tiny-llama", f"output_root={tmp_path}", "data.regen.backend=vllm",
                     "data.regen.vllm.python=/nonexistent/bin/python"])
     with pytest.raises(RegenError, match=r"cannot start the vLLM server .*data.regen.vllm.python.*vllm_server.log"):
-        with VLLMServer(cfg, tmp_path / "vllm_server.log"):
-            pass
+        with VLLMServer(cfg, tmp_path / "vllm_server.log") as server:
+            server.start()
 
 
 # --- slow tier ----------------------------------------------------------------------------------------------
@@ -537,8 +546,8 @@ def test_vllm_backend_that_cannot_start_names_its_log(vllm_env, tmp_path):
     cfg = vllm_cfg(tmp_path, "data.regen.vllm.args=[--no-such-flag]")
     with pytest.raises(RegenError, match=r"(?s)exited with status \d+ before it was ready; log .*vllm_server.log, "
                                          r"last lines:.*no-such-flag"):
-        with VLLMServer(cfg, tmp_path / "vllm_server.log"):
-            pass
+        with VLLMServer(cfg, tmp_path / "vllm_server.log") as server:
+            server.start()
 
 
 def test_a_rerun_on_another_rank_count_keeps_the_answers_of_the_interrupted_ranks(tmp_path):
@@ -616,3 +625,27 @@ def test_rank0_stops_when_a_rank_stops_beating_before_its_share_is_done(tmp_path
                                          r".*_alive.rank1 has not changed for 0 s .* A rerun resumes"):
         regenerate_sharded(cfg, CONVS, load_tokenizer(cfg), path, poll_s=0.02, stale_s=0.3)
     assert len(read_cache(path.parent / f"{path.stem}.rank0of2.jsonl")) == 4   # rank 0's share, kept for the rerun
+
+
+@pytest.mark.slow
+def test_vllm_writes_synth_prompts_seeded_and_ended_by_the_template(vllm_env, tmp_path):
+    """The synth source through a real vLLM server (data.regen.backend=vllm): started at the first batch, the prompts
+    end at the template's end of user turn (hit_eos), pass the tokenizer check, and one seed per request gives the
+    same prompts again."""
+    from data import synth
+    from data.engines import engine_client, generation_config
+
+    cfg = vllm_cfg(tmp_path)
+    tok = load_tokenizer(cfg)
+    s = synth.settings({"type": "synth", "n": 4, "batch_size": 4, "max_new_tokens": 64}, seed=0)
+    with engine_client(cfg) as client:
+        assert client.server.proc is None  # not before the first request
+        writer = synth.ServerWriter(client, generation_config(cfg))
+        kept, st = synth.synthesize(writer, tok, s, tmp_path / "a.jsonl")
+        again, _ = synth.synthesize(writer, tok, s, tmp_path / "b.jsonl")
+        assert client.server.proc.poll() is None
+    assert client.server.proc.poll() is not None  # stopped with the block
+    outputs = [o for outs in synth.BatchFiles(tmp_path / "a.jsonl").refresh().values() for o in outs]
+    print(f"vLLM synth: {st['kept']} kept of {st['attempts']} attempts; {kept}")
+    assert st["batches_generated"] >= 1 and kept and any(o["hit_eos"] for o in outputs)
+    assert again == kept

@@ -153,6 +153,10 @@ class FakeModel(torch.nn.Module):
         self.generation_config = None
 
 
+def writer(model: torch.nn.Module) -> synth.TargetWriter:
+    return synth.TargetWriter(lambda: model)
+
+
 def batches_in(path) -> dict[int, list[dict]]:
     """The batches a synth cache holds (its part files' too)."""
     return synth.BatchFiles(path).refresh()
@@ -166,17 +170,17 @@ def test_synth_is_seeded_on_the_real_generate(tiny_qwen2_cfg, tmp_path):
     model, tok = load_target(tiny_qwen2_cfg), load_tokenizer(tiny_qwen2_cfg)
     s = settings(n=4, max_new_tokens=6, max_attempts=8)
     for name in ("a", "b"):
-        synth.synthesize(model, tok, s, tmp_path / f"{name}.jsonl")
+        synth.synthesize(writer(model), tok, s, tmp_path / f"{name}.jsonl")
     a = batches_in(tmp_path / "a.jsonl")
     assert len(a) == 2 and a == batches_in(tmp_path / "b.jsonl")
-    synth.synthesize(model, tok, {**s, "seed": 1}, tmp_path / "c.jsonl")
+    synth.synthesize(writer(model), tok, {**s, "seed": 1}, tmp_path / "c.jsonl")
     assert batches_in(tmp_path / "c.jsonl") != a
 
 
 def test_synth_dedups_resumes_and_counts_calls(fake_generate, tmp_path):
     tok = _build_tiny_tokenizer("chatml")
     model = FakeModel()
-    fresh, fresh_stats = synth.synthesize(model, tok, settings(n=10), tmp_path / "fresh.jsonl")
+    fresh, fresh_stats = synth.synthesize(writer(model), tok, settings(n=10), tmp_path / "fresh.jsonl")
     assert len(fresh) == 10 and len({synth._normalise(p["prompt"]) for p in fresh}) == 10
     dropped = fresh_stats["dropped"]
     assert sum(dropped.values()) + 10 == fresh_stats["attempts"] and dropped.get("duplicate", 0) > 0
@@ -187,19 +191,19 @@ def test_synth_dedups_resumes_and_counts_calls(fake_generate, tmp_path):
     # the cached batches and generates only the missing ones, and gets the uninterrupted run's prompts.
     path = tmp_path / "resumed.jsonl"
     fake_generate.clear()
-    first, st = synth.synthesize(model, tok, settings(n=3), path)
+    first, st = synth.synthesize(writer(model), tok, settings(n=3), path)
     assert first == fresh[:3] and st["batches_generated"] == len(fake_generate) == len(batches_in(path))
     with open(path, "a") as f:
         f.write('{"batch": 99, "outp')
     before = len(batches_in(path))
     fake_generate.clear()
-    again, st = synth.synthesize(model, tok, settings(n=10), path)
+    again, st = synth.synthesize(writer(model), tok, settings(n=10), path)
     assert again == fresh and st["batches_cached"] == before
     assert len(fake_generate) == fresh_stats["batches_generated"] - before == st["batches_generated"]
     assert len(batches_in(path)) == fresh_stats["batches_generated"]
     # A complete cache: nothing is generated, and the model is not even loaded.
     fake_generate.clear()
-    assert synth.synthesize(lambda: pytest.fail("loaded"), tok, settings(n=10), path)[0] == fresh
+    assert synth.synthesize(synth.TargetWriter(lambda: pytest.fail("loaded")), tok, settings(n=10), path)[0] == fresh
     assert not fake_generate
 
 
@@ -210,11 +214,11 @@ def test_ranks_write_the_batches_together_and_keep_what_one_process_keeps(fake_g
     import threading
 
     tok, model = _build_tiny_tokenizer("chatml"), FakeModel()
-    alone, alone_stats = synth.synthesize(model, tok, settings(n=10), tmp_path / "alone.jsonl")
+    alone, alone_stats = synth.synthesize(writer(model), tok, settings(n=10), tmp_path / "alone.jsonl")
     path, results = tmp_path / "two.jsonl", {}
 
     def rank(r: int) -> None:
-        results[r] = synth.synthesize(model, tok, settings(n=10), path, rank=r, world=2)
+        results[r] = synth.synthesize(writer(model), tok, settings(n=10), path, rank=r, world=2)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
     for t in threads:
@@ -226,7 +230,7 @@ def test_ranks_write_the_batches_together_and_keep_what_one_process_keeps(fake_g
     assert parts[0] and parts[1] and all(b % 2 == r for r in (0, 1) for b in parts[r])
     assert set(range(alone_stats["batches_generated"])) <= parts[0] | parts[1]
     fake_generate.clear()
-    assert synth.synthesize(model, tok, settings(n=10), path)[0] == alone and not fake_generate
+    assert synth.synthesize(writer(model), tok, settings(n=10), path)[0] == alone and not fake_generate
 
 
 def test_two_runs_side_by_side_share_the_cache(fake_generate, tmp_path):
@@ -235,11 +239,11 @@ def test_two_runs_side_by_side_share_the_cache(fake_generate, tmp_path):
     import threading
 
     tok, model = _build_tiny_tokenizer("chatml"), FakeModel()
-    alone, alone_stats = synth.synthesize(model, tok, settings(n=10), tmp_path / "alone.jsonl")
+    alone, alone_stats = synth.synthesize(writer(model), tok, settings(n=10), tmp_path / "alone.jsonl")
     fake_generate.clear()
     results = {}
     threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, synth.synthesize(
-        model, tok, settings(n=10), tmp_path / "shared.jsonl"))) for r in (0, 1)]
+        writer(model), tok, settings(n=10), tmp_path / "shared.jsonl"))) for r in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
@@ -255,17 +259,17 @@ def test_synth_batches_are_heartbeat_progress(fake_generate, tmp_path):
 
     tok, model = _build_tiny_tokenizer("chatml"), FakeModel()
     before = STEPS[0]
-    _, st = synth.synthesize(model, tok, settings(n=10), tmp_path / "s.jsonl")
+    _, st = synth.synthesize(writer(model), tok, settings(n=10), tmp_path / "s.jsonl")
     assert STEPS[0] - before >= st["batches_generated"] > 0
     before = STEPS[0]
-    synth.synthesize(model, tok, settings(n=10), tmp_path / "s.jsonl")   # all replayed
+    synth.synthesize(writer(model), tok, settings(n=10), tmp_path / "s.jsonl")   # all replayed
     assert STEPS[0] - before >= st["batches_generated"]
 
 
 def test_synth_hints_cycle_and_steer_the_prefix(fake_generate, tmp_path):
     tok = _build_tiny_tokenizer("chatml")
     hints = [{"category": "code", "hint": "The user asks about code."}, {"category": "travel", "hint": "Travel."}]
-    kept, stats = synth.synthesize(FakeModel(), tok, settings(n=6, hints=hints), tmp_path / "h.jsonl")
+    kept, stats = synth.synthesize(writer(FakeModel()), tok, settings(n=6, hints=hints), tmp_path / "h.jsonl")
     prompts = fake_generate[0]
     assert tok.decode(prompts[0]).endswith("The user asks about code.<|im_end|>\n<|im_start|>user\n")
     assert tok.decode(prompts[1]).endswith("Travel.<|im_end|>\n<|im_start|>user\n")
@@ -286,3 +290,115 @@ def test_synth_source_through_the_data_stage(fake_generate, cfg_factory, tmp_pat
         assert key in st
     assert 0 < st["distinct_1"] <= 1 and sum(st["words_histogram"].values()) == 6
     assert len(batches_in(tmp_path.joinpath(st["file"]))) == st["batches_generated"] > 0
+
+
+def pool_answers(tok, fallback=None):
+    """A server's answer to a request: a sampled one (temperature > 0, a synth prompt) is a POOL text picked by the
+    request's seed, as a seeded sampler would; a greedy one is ``fallback``'s (regeneration)."""
+    import random
+
+    def answer(body: dict) -> tuple[list[int], bool]:
+        if body["temperature"] > 0:
+            return tok(random.Random(body["seed"]).choice(POOL), add_special_tokens=False)["input_ids"], True
+        return fallback(body)
+    return answer
+
+
+def test_synth_through_a_server_is_seeded_concurrent_and_resumes(tmp_path):
+    """The vllm/openai backends write synth prompts through the server: the chat template's user-turn prefix as
+    token ids, the synth settings and its end-of-turn among the stop ids, one seed per request; the requests of
+    several batches in flight at once; the same seed gives the same prompts, a rerun asks nothing."""
+    from data.engines import OpenAIClient
+    from tests.test_regen_backends import Stub
+
+    tok = _build_tiny_tokenizer("chatml")
+    stub = Stub(None, 0, text=lambda ids: tok.decode(ids, skip_special_tokens=True), delay_s=0.2,
+                answer=pool_answers(tok))
+    try:
+        def run(path, **kw):
+            return synth.synthesize(synth.ServerWriter(OpenAIClient(stub.url, None, 30, 0, 8), None), tok,
+                                    settings(n=10, **kw), path)
+        kept, st = run(tmp_path / "a.jsonl")
+        asked = list(stub.requests)
+        assert len(kept) == 10 and len({synth._normalise(p["prompt"]) for p in kept}) == 10
+        assert st["dropped"].get("duplicate", 0) > 0 and len(asked) == 4 * st["batches_generated"]
+        prefix, _ = user_turn_prefix(tok, None)
+        end_of_turn = tok.convert_tokens_to_ids("<|im_end|>")
+        assert all(r["prompt"] == tok(prefix, add_special_tokens=False)["input_ids"] for r in asked)
+        assert all(r["max_tokens"] == 128 and r["temperature"] == 1.0 and end_of_turn in r["stop_token_ids"]
+                   for r in asked)
+        assert len({r["seed"] for r in asked}) == len(asked)
+        assert stub.most_in_flight > 4  # more than one batch of 4 in flight (concurrency 8: two batches at once)
+        stub.requests.clear()
+        assert run(tmp_path / "a.jsonl")[0] == kept and not stub.requests  # replayed from the cache
+        assert run(tmp_path / "b.jsonl")[0] == kept                        # the same seed: the same prompts
+        assert run(tmp_path / "c.jsonl", seed=1)[0] != kept
+    finally:
+        stub.close()
+
+
+def test_a_synth_request_that_fails_keeps_the_batches_before_it(tmp_path):
+    """The server fails in the third batch: the two before it are in the cache, the error names the server, and the
+    rerun asks only for the rest and keeps what an uninterrupted run keeps."""
+    from data.engines import OpenAIClient, RegenError
+    from tests.test_regen_backends import Stub
+
+    tok = _build_tiny_tokenizer("chatml")
+
+    def run(path, **kw):
+        stub = Stub(None, 0, text=lambda ids: tok.decode(ids, skip_special_tokens=True), answer=pool_answers(tok), **kw)
+        try:
+            return synth.synthesize(synth.ServerWriter(OpenAIClient(stub.url, None, 30, 0, 4), None), tok,
+                                    settings(n=10), path), stub
+        finally:
+            stub.close()
+
+    (alone, alone_stats), _ = run(tmp_path / "alone.jsonl")
+    with pytest.raises(RegenError, match="HTTP 500 .*boom"):
+        run(tmp_path / "s.jsonl", fail_after=9)
+    assert sorted(batches_in(tmp_path / "s.jsonl")) == [0, 1]
+    (again, st), stub = run(tmp_path / "s.jsonl")
+    assert again == alone and st["batches_cached"] == 2
+    assert len(stub.requests) == 4 * (alone_stats["batches_generated"] - 2)
+
+
+def test_a_server_backend_writes_synth_and_answers_without_loading_the_target(cfg_factory, tmp_path, monkeypatch):
+    """data.regen.backend=openai: the synth prompts and their answers both come from the server, and the data stage
+    never loads the target (on 8 GPUs it would hold a 7-8B copy beside the server's, and write every prompt through
+    transformers on one GPU)."""
+    import train.target
+    from tests.test_regen_backends import Stub
+
+    cfg = cfg_factory("model=tiny-llama", "stages=[data]", "data.regen.max_new_tokens=8", "head.draft_vocab_size=64",
+                      "data.sources=[{type:synth,n:6,batch_size:4,min_chars:5}]", "data.regen.dtype=float32")
+    model, tok = load_target(cfg), load_tokenizer(cfg)
+    stub = Stub(model, tok.pad_token_id, text=lambda ids: tok.decode(ids, skip_special_tokens=True))
+    stub.answer = pool_answers(tok, stub.generate)
+    monkeypatch.setattr(train.target, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    try:
+        cfg = cfg_factory("model=tiny-llama", "stages=[data]", "data.regen.max_new_tokens=8", "head.draft_vocab_size=64",
+                          "data.sources=[{type:synth,n:6,batch_size:4,min_chars:5}]", "data.regen.backend=openai",
+                          f"data.regen.url={stub.url}")
+        run_stages(cfg)
+    finally:
+        stub.close()
+    stats = json.loads((tmp_path / "tiny-llama/eagle3/data/stats.json").read_text())
+    assert stats["synth"]["synth"]["kept"] == 6 and stats["regeneration"]["generated"] == 6
+    assert sum(stats["rows_kept"].values()) == 6
+    sampled = [r for r in stub.requests if r["temperature"] > 0]
+    assert len(sampled) == 4 * stats["synth"]["synth"]["batches_generated"] and len(stub.requests) > len(sampled)
+
+
+def test_a_vllm_data_stage_with_everything_cached_starts_no_server(fake_generate, cfg_factory, tmp_path):
+    """vLLM starts at the first request, not with the data stage: a rerun whose synth prompts and answers are all
+    cached (a forced or reconfigured data stage) starts no server (minutes and a GPU's memory for a 7-8B target);
+    here no vLLM exists, and the stage still completes."""
+    base = ["model=tiny-qwen2", "stages=[data]", "data.regen.max_new_tokens=4", "head.draft_vocab_size=40",
+            "data.sources=[{type:synth,n:6,batch_size:4,min_chars:5}]", "data.thinking=false"]
+    run_stages(cfg_factory(*base))
+    fake_generate.clear()
+    run_stages(cfg_factory(*base, "force=[data]", "data.regen.backend=vllm", "data.regen.vllm.python=/nonexistent/python"))
+    stats = json.loads((tmp_path / "tiny-qwen2/eagle3/data/stats.json").read_text())
+    assert stats["regeneration"]["backend"] == "vllm" and stats["regeneration"]["generated"] == 0
+    assert stats["regeneration"]["server_log"] is None and stats["synth"]["synth"]["batches_generated"] == 0
+    assert not fake_generate
