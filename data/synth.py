@@ -236,6 +236,10 @@ class TargetWriter:
     def at_once(self, batch_size: int) -> int:
         return 1
 
+    def close(self) -> None:
+        """Let the target go (the data stage goes on without it)."""
+        self.model = None
+
     def __call__(self, jobs: Jobs, tokenizer, eos: set[int], s: dict) -> Iterator[tuple[int, list[dict]]]:
         model = self.target()
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -248,37 +252,57 @@ class TargetWriter:
 
 class ServerWriter:
     """Batches written through the data stage's server (the ``openai`` and ``vllm`` backends,
-    :func:`data.engines.engine_client`): the prompts of as many batches as fill ``client.concurrency`` are in
-    flight at once, each request seeded from (seed, batch, index); answers checked and decoded as regeneration's
-    (:meth:`data.engines.OpenAIClient.answer`). A vLLM server starts at the first batch to generate."""
+    :func:`data.engines.engine_client`), each request seeded from (seed, batch, index); answers checked and decoded
+    as regeneration's (:meth:`data.engines.OpenAIClient.answer`). A vLLM server starts at the first batch to
+    generate.
+
+    A sliding window: the requests of up to twice as many batches as fill ``client.concurrency`` are asked ahead,
+    ``client.concurrency`` of them in flight and the rest queued, and each call returns once the first batch it is
+    given is answered. An answer still running at the window's head does not leave the server idle, as it would if
+    rounds of batches waited for their slowest request (with 128-token prompts beside 20-token ones, most of a
+    round). Which prompts are kept does not depend on the order answers come in (seeds are per request, the filter
+    reads batches in order). :meth:`close` drops what is asked and not needed."""
 
     def __init__(self, client, generation_config):
         self.client, self.config = client, generation_config
+        self.pool: futures.ThreadPoolExecutor | None = None
+        self.asked: dict[int, list[futures.Future]] = {}
 
     def generation_config(self):
         return self.config
 
     def at_once(self, batch_size: int) -> int:
-        return max(1, -(-self.client.concurrency // batch_size))
+        return 2 * max(1, -(-self.client.concurrency // batch_size))
 
     def __call__(self, jobs: Jobs, tokenizer, eos: set[int], s: dict) -> Iterator[tuple[int, list[dict]]]:
+        """Asks for the batches of ``jobs`` not asked yet; yields the first once answered, then every other batch
+        asked and already answered (one no longer in ``jobs`` too: its answers are kept)."""
         from data.engines import request_seed
 
         client = self.client
-        client.resolve_model()  # an unreachable server fails before any request
-        pool = futures.ThreadPoolExecutor(max_workers=client.concurrency)
-        try:
-            asked = [(b, [pool.submit(client.complete, ids, eos, request_seed(s["seed"], f"synth-{b}", k),
-                                      s["max_new_tokens"], s["temperature"], s["top_p"])
-                          for k, ids in enumerate(prompts)]) for b, prompts in jobs]
-            for b, answers in asked:  # in batch order: each is written as soon as it and those before it are done
-                outs = []
-                for answer in answers:
-                    text, n, hit_eos = client.answer(answer.result(), tokenizer, eos)
-                    outs.append({"text": text.strip(), "tokens": n, "hit_eos": hit_eos})
-                yield b, outs
-        finally:  # an error or Ctrl-C: the requests not started are dropped, the ones in flight end
-            pool.shutdown(wait=True, cancel_futures=True)
+        if self.pool is None:
+            client.resolve_model()  # from this thread (a vLLM server starts here); an unreachable server fails here
+            self.pool = futures.ThreadPoolExecutor(max_workers=client.concurrency)
+        for b, prompts in jobs:
+            if b not in self.asked:
+                self.asked[b] = [self.pool.submit(client.complete, ids, eos, request_seed(s["seed"], f"synth-{b}", k),
+                                                  s["max_new_tokens"], s["temperature"], s["top_p"])
+                                 for k, ids in enumerate(prompts)]
+        for b in sorted(self.asked):  # the first job's batch first: no batch before it is missing
+            if b != jobs[0][0] and not all(answer.done() for answer in self.asked[b]):
+                continue
+            outs = []
+            for answer in self.asked[b]:
+                text, n, hit_eos = client.answer(answer.result(), tokenizer, eos)
+                outs.append({"text": text.strip(), "tokens": n, "hit_eos": hit_eos})
+            del self.asked[b]
+            yield b, outs
+
+    def close(self) -> None:
+        """Drop the requests not started; wait for the ones in flight."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool, self.asked = None, {}
 
 
 def synthesize(writer: TargetWriter | ServerWriter, tokenizer, s: dict, path: Path, name: str = "synth",
@@ -290,7 +314,7 @@ def synthesize(writer: TargetWriter | ServerWriter, tokenizer, s: dict, path: Pa
     then reads what the first wrote)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     mine = path if world == 1 else part_file(path, rank)
-    with FileLock(str(mine) + ".lock"):
+    with FileLock(str(mine) + ".lock"), closing(writer):
         return _synthesize(writer, tokenizer, s, path, mine, name, rank, world)
 
 
@@ -320,12 +344,12 @@ def _synthesize(writer: TargetWriter | ServerWriter, tokenizer, s: dict, path: P
         return [hints[(b * bs + k) % len(hints)] for k in range(bs)]
 
     def write(f, todo: list[int]) -> None:
-        """Generate the batches ``todo`` and append each to this process's file as it is done."""
+        """Generate the batches ``todo`` (the first at least) and append each to this process's file as it is done."""
         nonlocal eos, generated
         if eos is None:
             eos = _eos_ids(writer.generation_config(), tokenizer, suffix)
         jobs = [(b, [prefixes[h["hint"]] for h in categories(b)]) for b in todo]
-        with closing(writer(jobs, tokenizer, eos, s)) as made:  # a failed write ends the writer's requests too
+        with closing(writer(jobs, tokenizer, eos, s)) as made:
             for b, outs in made:
                 batches[b] = [{**o, "category": h["category"]} for h, o in zip(categories(b), outs, strict=True)]
                 f.write(json.dumps({"batch": b, "outputs": batches[b]}) + "\n")

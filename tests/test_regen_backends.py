@@ -33,20 +33,24 @@ CONVS = [{"messages": [{"role": "user", "content": f"question {i}"}] + (
 
 class Stub:
     """An OpenAI-compatible /v1 server in a thread: /models, /completions answered by ``model``'s greedy
-    generation from the prompt token ids. ``fail_after`` requests then HTTP 500; ``delay_s`` per request;
+    generation from the prompt token ids. ``fail_after`` requests then HTTP 500; ``delay_s`` per request (or a
+    function of the request);
     ``max_model_len``: listed, and a prompt + max_tokens beyond it is HTTP 400 (SGLang); ``abort``: the n-th
     request's answer ends with finish_reason "abort" (a server stopping). Answers carry their token ids and their
     text, ``text(ids)``; ``text_only``: the text alone (a server without return_token_ids). ``answer(body)``: (new
-    ids, hit_eos) instead of the model's generation. ``most_in_flight``: the most requests it held at once."""
+    ids, hit_eos) instead of the model's generation. ``most_in_flight``: the most requests it held at once;
+    ``arrived``: when each request came (time.monotonic)."""
 
     def __init__(self, model, pad_id: int, text: Callable[[list[int]], str],
-                 fail_after: int | None = None, delay_s: float = 0.0, max_model_len: int | None = None,
+                 fail_after: int | None = None, delay_s: float | Callable[[dict], float] = 0.0,
+                 max_model_len: int | None = None,
                  abort: int | None = None, text_only: bool = False,
                  answer: Callable[[dict], tuple[list[int], bool]] | None = None):
         self.model, self.pad_id, self.text, self.text_only = model, pad_id, text, text_only
         self.fail_after, self.delay_s, self.max_model_len, self.abort = fail_after, delay_s, max_model_len, abort
         self.answer = answer or self.generate
         self.requests: list[dict] = []
+        self.arrived: list[float] = []
         self.in_flight = self.most_in_flight = 0
         self.lock = threading.Lock()
         stub = self
@@ -71,6 +75,7 @@ class Stub:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with stub.lock:
                     stub.requests.append(body)
+                    stub.arrived.append(time.monotonic())
                     n = len(stub.requests)
                     if stub.fail_after is not None and n > stub.fail_after:
                         return self.reply(500, "boom: the engine died")
@@ -79,7 +84,7 @@ class Stub:
                     new, hit_eos = stub.answer(body)
                     stub.in_flight += 1
                     stub.most_in_flight = max(stub.most_in_flight, stub.in_flight)
-                time.sleep(stub.delay_s)
+                time.sleep(stub.delay_s(body) if callable(stub.delay_s) else stub.delay_s)
                 with stub.lock:
                     stub.in_flight -= 1
                 ids = new + ([min(body["stop_token_ids"])] if hit_eos else [])

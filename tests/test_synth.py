@@ -337,6 +337,34 @@ def test_synth_through_a_server_is_seeded_concurrent_and_resumes(tmp_path):
         stub.close()
 
 
+def test_a_slow_answer_does_not_idle_the_server(tmp_path):
+    """The window slides: while the first batch's first request takes 2 s, the requests of later batches go on
+    (twice as many batches as fill the concurrency are asked ahead), where rounds of batches would wait for it;
+    and the prompts kept are those of a server that answers in order."""
+    from data.engines import OpenAIClient
+    from tests.test_regen_backends import Stub
+
+    tok = _build_tiny_tokenizer("chatml")
+    first = {}
+
+    def delay(body: dict) -> float:
+        return 2.0 if first.setdefault("seed", body["seed"]) == body["seed"] else 0.0
+
+    def run(path, **kw):
+        stub = Stub(None, 0, text=lambda ids: tok.decode(ids, skip_special_tokens=True), answer=pool_answers(tok), **kw)
+        try:
+            return synth.synthesize(synth.ServerWriter(OpenAIClient(stub.url, None, 30, 0, 8), None), tok,
+                                    settings(n=20), path)[0], stub
+        finally:
+            stub.close()
+
+    kept, stub = run(tmp_path / "slow.jsonl", delay_s=delay)
+    start = stub.arrived[0]
+    during = sum(start < t < start + 1.5 for t in stub.arrived)
+    assert during >= 12  # 3 more batches of 4 (rounds of 2 batches waiting for their slowest: 7 more requests)
+    assert kept == run(tmp_path / "even.jsonl")[0]
+
+
 def test_a_synth_request_that_fails_keeps_the_batches_before_it(tmp_path):
     """The server fails in the third batch: the two before it are in the cache, the error names the server, and the
     rerun asks only for the rest and keeps what an uninterrupted run keeps."""
