@@ -489,6 +489,16 @@ def test_each_stage_gives_its_gpu_memory_back(monkeypatch, tmp_path):
     assert events == [True]
 
 
+def test_online_training_runs_no_extract_stage(prepared, tmp_path):
+    """train.online=true with the default stages: the hidden states are computed during training, so the extract
+    stage (at 8B a forward over every row and ~3 TB of shards per 100M tokens that nothing reads) does not run."""
+    cfg = fresh_run(prepared, tmp_path, "stages=[data,extract,train]", "train.online=true", "train.max_steps=2",
+                    stages=("data",))
+    out = run_stages(cfg)
+    assert "extract" not in out and not stage_dir(cfg, "extract").exists()
+    assert json.loads((stage_dir(cfg, "train") / "summary.json").read_text())["steps"] == 2
+
+
 def test_the_train_stage_lets_go_of_its_engine_and_online_target(prepared, tmp_path, monkeypatch):
     """Once the train stage ends, nothing holds its trainer (DeepSpeed engine, optimizer) or the target online
     training loaded: the eval stage then loads its own (at 8B a second 16 GB copy if the first were kept)."""

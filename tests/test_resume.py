@@ -215,6 +215,50 @@ def test_bookkeeping_keys_skip_or_resume(prepared, tmp_path, monkeypatch):
     torch.testing.assert_close(load_file(str(stage_dir(cfg, "train") / "head/model.safetensors")), head)
 
 
+def test_changed_validation_settings_score_from_scratch(prepared, tmp_path, monkeypatch):
+    """train.val_steps changed on resume: sim tau sums val_steps terms, so the old best is on another scale. Fewer
+    steps used to never "improve" on it: head/ stayed the first run's and early stopping counted every validation."""
+    base = ["stages=[train]", "train.eval_every=2", "train.checkpoint_every=2", "train.val_steps=3"]
+    cfg = fresh_run(prepared, tmp_path, *base, "train.max_steps=4")
+    run_stages(cfg)
+    first = json.loads((stage_dir(cfg, "train") / "summary.json").read_text())["best"]
+    lines = logged(monkeypatch)
+    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", *base, "train.max_steps=6", "train.val_steps=1"]))
+    best = json.loads((stage_dir(cfg, "train") / "summary.json").read_text())["best"]
+    assert any("the best score starts over" in line for line in lines)
+    assert best["step"] == 6 and best["sim_tau"] < first["sim_tau"]  # scored with 1 draft step, saved at step 6
+
+
+def test_a_save_cut_short_by_a_crash_never_outranks_the_checkpoint_latest_names(prepared, tmp_path):
+    """A crash inside the save of step 8 left a partial step0000008 while `latest` named step 4; the resumed run
+    stops at step 6: its rotation (keep 1) must keep step 6, which `latest` names, not the partial 8 (a third run
+    then found no checkpoint and started over, deleting the first two runs' work)."""
+    base = ["stages=[train]", "train.checkpoint_every=2", "train.keep_checkpoints=1"]
+    cfg = fresh_run(prepared, tmp_path, *base, "train.max_steps=4")
+    run_stages(cfg)
+    ckpt = stage_dir(cfg, "train") / "checkpoints"
+    (ckpt / "step0000008").mkdir()
+    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", *base, "train.max_steps=6"]))
+    assert (ckpt / "latest").read_text() == "step0000006" and (ckpt / "step0000006" / "client.json").exists()
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step0000006"]
+
+
+def test_a_rank_restores_its_own_gpus_generator_whatever_the_devices_visible(monkeypatch):
+    """The CUDA generator is saved per rank for its own GPU; a checkpoint made before (every visible GPU's state)
+    restores this rank's one, and one made with fewer GPUs visible than this rank's index restores none instead
+    of raising IndexError."""
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.tensor([7]))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda t: set_to.append(int(t[0])))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    state = train.loop.rng_state()
+    train.loop.set_rng_state(state)
+    train.loop.set_rng_state(state | {"cuda": [torch.tensor([0]), torch.tensor([1])]})
+    train.loop.set_rng_state(state | {"cuda": [torch.tensor([0])]})
+    assert set_to == [7, 1]
+
+
 def test_a_longer_time_budget_continues_the_run(prepared, tmp_path, monkeypatch):
     """train.max_minutes extended: resumed from the last checkpoint, the schedule refitted from the current
     step (the learning rate continues its decay, no jump), training goes on instead of starting over."""
@@ -259,10 +303,28 @@ def test_budget_is_for_the_whole_run():
     assert state["total_steps"] == 100  # faster: extended, never beyond the planned steps
     state["step"] = 100  # the last planned step: no step added (a bug once extended the run a step at a time)
     assert not train.loop.fit_schedule(state, tcfg, step_s=0.01, elapsed_s=37.0, planned_steps=100, lr_ratio=0.1)
-    train.loop.refit_budget(state | {"step": 34}, 100, ratio)
-    segment = [34, ratio]
-    assert train.loop.lr_lambda(34, 2, 100, 0.1, segment) == pytest.approx(ratio)
-    assert train.loop.lr_lambda(100, 2, 100, 0.1, segment) == pytest.approx(0.1)
+    resumed = state | {"step": 34, "total_steps": 40, "segment": [20, ratio], "warmup": 2}
+    reached = train.loop.lr_lambda(34, 2, 40, 0.1, [20, ratio])
+    assert train.loop.replan(resumed, 100, 2, 0.1) == pytest.approx(reached)   # the budget grew: no jump
+    assert resumed["segment"] == [34, reached] and resumed["total_steps"] == 100 and not resumed["fitted"]
+    assert train.loop.lr_lambda(100, 2, 100, 0.1, resumed["segment"]) == pytest.approx(0.1)
+
+
+def test_a_short_run_extended_warms_up_instead_of_training_at_its_annealed_rate():
+    """A 50-step smoke run (warmup 5, annealed to min_lr_ratio by step 50) in the run directory the real run then
+    reuses (1000 steps, warmup 100): the real run warms up from step 50 to the full rate, then anneals; it used to
+    continue from the smoke run's ratio (computed with the new warmup: 0.51) down to 0.1, never at the full rate.
+    A long run extended past its warmup continues from the ratio it reached (its own warmup's)."""
+    smoke = {"step": 50, "total_steps": 50, "warmup": 5}
+    assert train.loop.lr_lambda(50, 5, 50, 0.1) == pytest.approx(0.1)
+    assert train.loop.replan(smoke, 1000, 100, 0.1) == pytest.approx(51 / 100)
+    ratios = [train.loop.lr_lambda(s, smoke["warmup"], smoke["total_steps"], 0.1, smoke["segment"])
+              for s in range(50, 1000)]
+    assert max(ratios) == pytest.approx(1.0) and ratios[-1] == pytest.approx(0.1, abs=1e-3)
+    long = {"step": 5000, "total_steps": 10000, "warmup": 200}   # mid-cosine, extended to 20000 steps
+    reached = train.loop.lr_lambda(5000, 200, 10000, 0.1)
+    assert train.loop.replan(long, 20000, 10, 0.1) == pytest.approx(reached)  # its own warmup, not the new one
+    assert long["segment"] == [5000, reached]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -344,15 +344,23 @@ def fit_schedule(state: dict, tcfg: DictConfig, step_s: float, elapsed_s: float,
 
 
 def rng_state() -> dict:
+    """This process's generators: CPU, Python, and its own GPU's (not every visible GPU's: a resume that sees
+    fewer, another CUDA_VISIBLE_DEVICES, could not restore them)."""
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if state.get("cuda") is not None:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is None or not torch.cuda.is_available():
+        return
+    if isinstance(cuda, (list, tuple)):  # a checkpoint made before: every visible GPU's, this rank's among them
+        device = torch.cuda.current_device()
+        cuda = cuda[device] if device < len(cuda) else None
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
 
 
 def deepspeed_config(tcfg: DictConfig, dtype: torch.dtype) -> dict:
@@ -513,7 +521,8 @@ class Trainer:
         self.warmup = warmup_steps(self.tcfg.warmup_steps, self.planned_steps)
         # With a wall-clock budget the schedule is fitted to it from the measured step time once the warmup has
         # been timed (kept in the checkpointed state, so a resumed run follows the same schedule).
-        self.state = {"step": 0, "best": -1.0, "bad_evals": 0, "history": [], "total_steps": self.planned_steps}
+        self.state = {"step": 0, "best": -1.0, "bad_evals": 0, "history": [], "total_steps": self.planned_steps,
+                      "warmup": self.warmup}
         # A lambda, not the bound method: LambdaLR leaves plain functions out of its (checkpointed) state.
         self.engine, self.scheduler = make_engine(head, self.tcfg, self.dtype, lambda s: self.lr_ratio(s))
         self.model = self.engine.module
@@ -526,14 +535,14 @@ class Trainer:
 
     def lr_ratio(self, step: int) -> float:
         """The learning-rate multiplier at ``step`` under the current plan (``state`` changes when refitted)."""
-        t, s = self.tcfg, self.state
-        return lr_lambda(step, self.warmup, s["total_steps"], t.min_lr_ratio, s.get("segment"))
+        t, s = self.tcfg, self.state  # the run's own warmup (a checkpoint made before it was kept: this run's)
+        return lr_lambda(step, s.get("warmup", self.warmup), s["total_steps"], t.min_lr_ratio, s.get("segment"))
 
     def resume(self) -> None:
         """Continue from the latest complete checkpoint. ``force=[train]`` deletes the checkpoints and starts
         over; without it, one made with other result keys is refused (:class:`CheckpointMismatchError`); a
-        changed budget refits the schedule (:func:`refit_budget`); the leftovers of a crash before the first
-        checkpoint are deleted."""
+        changed budget refits the schedule (:func:`replan`); changed validation settings score from scratch; the
+        leftovers of a crash before the first checkpoint are deleted."""
         cfg, state, ckpt_dir = self.cfg, self.state, self.ckpt_dir
         if dist.is_main() and (self.out / "head.old").exists() and not (self.out / "head").exists():
             (self.out / "head.old").rename(self.out / "head")   # a crash inside save_best: the previous best head
@@ -572,8 +581,18 @@ class Trainer:
             torch._foreach_copy_(self.average.shadow, [t.to(self.device) for t in client["average"]])
         if changed:
             log(f"[train] resuming with changed {', '.join(changed)}")
+        if any(k in changed for k in ("train.val_tokens", "train.val_steps")):
+            # other rows or another number of draft steps: a score on another scale. Against the old best, a
+            # lower val_steps would never improve (head/ kept as it was, early stop after patience validations)
+            state.update(best=-1.0, bad_evals=0)
+            log("[train] validation settings changed: the best score starts over (head/ is replaced at the next "
+                "validation)")
         if any(k in changed for k in ("train.max_minutes", "train.max_steps", "train.epochs")):
-            refit_budget(state, self.planned_steps, self.lr_ratio(state["step"]))
+            ratio = replan(state, self.planned_steps, self.warmup, self.tcfg.min_lr_ratio)
+            log(f"[train] new budget: from step {state['step']} the learning rate is {ratio:.3g} x train.lr, "
+                + (f"warming up to step {self.warmup}, then a cosine" if state.get("segment") is None else "a cosine")
+                + f" to {self.tcfg.min_lr_ratio:g} x at step {state['total_steps']} (refitted to the time budget as "
+                "steps are timed); force=[train] starts over with a fresh schedule")
         log(f"[train] resumed from {meta.parent.name} (step {state['step']}, {state['total_steps']} steps planned)")
 
     def train(self) -> None:
@@ -729,8 +748,11 @@ class Trainer:
         if dist.is_main():  # is written by rank 0 before the other ranks have finished theirs)
             (ckpt_dir / "latest.tmp").write_text(tag)
             os.replace(ckpt_dir / "latest.tmp", ckpt_dir / "latest")
+            # the newest up to this one; a tag past it is a save a crash cut short (this run resumed before it):
+            # kept by name, it would outrank this one and the rotation would delete the checkpoint `latest` names
             tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step"))
-            for old in tags[: -self.tcfg.keep_checkpoints]:
+            kept = [t for t in tags if t <= tag][-self.tcfg.keep_checkpoints:]
+            for old in set(tags) - set(kept):
                 shutil.rmtree(ckpt_dir / old, ignore_errors=True)
         dist.barrier()
         self.side_s += time.time() - t0
@@ -803,11 +825,21 @@ def checkpoint_changes(client: dict, identity: dict) -> list[str]:
     return sorted(k for k in old.keys() | identity.keys() if old.get(k) != identity.get(k))
 
 
-def refit_budget(state: dict, planned_steps: int, lr_ratio: float) -> None:
-    """A resumed run whose budget (max_minutes / max_steps / epochs) changed: the planned steps are those of
-    the new budget, fitted again to train.max_minutes once steps are timed, and the cosine continues from
-    the learning-rate ratio reached to its end at the new total (:func:`lr_lambda`)."""
-    state.update(total_steps=max(planned_steps, state["step"]), fitted=False, segment=[state["step"], lr_ratio])
+def replan(state: dict, planned_steps: int, warmup: int, min_ratio: float) -> float:
+    """A resumed run whose budget (max_minutes / max_steps / epochs) changed: the planned steps are those of the
+    new budget, fitted again to train.max_minutes once steps are timed. The cosine continues from the
+    learning-rate ratio reached (under the run's own warmup) to its end at the new total (:func:`lr_lambda`): no
+    jump. A run still inside the new plan's ``warmup`` (a short run extended: a smoke test's run directory reused
+    for the real run) warms up on instead: continued from its annealed ratio, the whole real run would train at a
+    tenth of the rate. Returns the ratio at the current step."""
+    step = state["step"]
+    reached = lr_lambda(step, state.get("warmup", warmup), state["total_steps"], min_ratio, state.get("segment"))
+    state.update(total_steps=max(planned_steps, step), fitted=False)
+    if step < warmup:
+        state.update(warmup=warmup, segment=None)
+    else:
+        state["segment"] = [step, reached]
+    return lr_lambda(step, state.get("warmup", warmup), state["total_steps"], min_ratio, state["segment"])
 
 
 def _remove_checkpoints(ckpt_dir) -> None:

@@ -209,6 +209,9 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
         raise ValueError(f"Unknown stage(s) {unknown}; valid stages, in order: {ORDER}")
     results = {}
     for name in [s for s in ORDER if s in cfg.stages]:
+        if name == "extract" and cfg.train.online:  # nothing reads its shards: a 7-8B pass and ~3 TB per 100M tokens
+            log("[extract] skipped: train.online=true computes the hidden states during training")
+            continue
         # Rank 0 decides for all: ranks that disagreed (a run directory on NFS with stale attributes) would pair
         # the barriers of different stages, or wait for a marker of another fingerprint.
         fp, marker = dist.broadcast(_up_to_date(cfg, name) if dist.is_main() else None)
