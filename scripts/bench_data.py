@@ -71,6 +71,7 @@ def main() -> None:
         data, extract = read_marker(cfg, "data"), read_marker(cfg, "extract")
         stats = json.loads((stage_dir(cfg, "data") / "stats.json").read_text())
         manifest = json.loads((stage_dir(cfg, "extract") / "manifest.json").read_text())
+        provenance = json.loads((stage_dir(cfg, "extract") / "provenance.json").read_text())
         tokens = manifest["tokens"]
         wall = data["wall_s"] + extract["wall_s"]
         regen = stats["regeneration"]
@@ -78,7 +79,7 @@ def main() -> None:
             st = stats["synth"]["synth"]
             synths.append((source, st["kept"], st["attempts"], st["seconds"], st["kept"] / max(st["seconds"], 1e-9)))
         rows.append((source, regen["new_tokens"], regen["tokens_per_s"], tokens, data["wall_s"], extract["wall_s"],
-                     wall, tokens / wall, manifest.get("from_regeneration", {}).get("rows", 0),
+                     wall, tokens / wall, provenance.get("from_regeneration", {}).get("rows", 0),
                      sum(manifest["rows"].values())))
     print(f"\n{'mode':10} {'new tok':>8} {'regen tok/s':>11} {'tokens':>7} {'data s':>7} {'extract s':>9} "
           f"{'total s':>8} {'tok/s':>7} {'kept rows':>10}")

@@ -15,7 +15,7 @@ from data.regenerate import generate
 from tests.conftest import make_cfg
 from train.extract import capture, capture_layers
 from train.losses import full_argmax
-from train.stages import run_stages, stage_dir
+from train.stages import read_marker, run_stages, stage_dir
 from train.target import load_config, load_target, load_tokenizer
 
 LAYERS = [1, 4, 6, 8]  # tiny twins have 8 layers: three taps and the final (post-norm) state
@@ -93,6 +93,23 @@ def _shards(cfg) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def test_an_extract_rerun_that_writes_the_same_states_keeps_the_training_checkpoints(tmp_path, text_twin):
+    """extract.batch_tokens changed (how the states are computed, not what they are): the stage reruns and finds its
+    shards done. Its output identity must stay: it changed with what the manifest said of how it was made (rows
+    kept while regenerating: all the first time, 0 after, their states deleted once copied; the rank count), so the
+    training checkpoints were refused and force=[train] threw the head's training away."""
+    base = [*text_twin, "data.sources=[{type:builtin,limit:16}]", "data.regen.max_new_tokens=12", FP32_REGEN,
+            "head.draft_vocab_size=96", "extract.shard_mb=0.05", f"output_root={tmp_path}", "train.checkpoint_every=2",
+            "train.eval_every=1000", "train.max_minutes=null", "train.micro_batch_tokens=1024"]
+    cfg = make_cfg([*base, "stages=[data,extract,train]", "train.max_steps=2"])
+    run_stages(cfg)
+    assert json.loads((stage_dir(cfg, "extract") / "provenance.json").read_text())["from_regeneration"]["rows"] > 0
+    extract_id = read_marker(cfg, "extract")["output_id"]
+    run_stages(make_cfg([*base, "stages=[extract,train]", "train.max_steps=4", "extract.batch_tokens=1024"]))
+    assert read_marker(cfg, "extract")["output_id"] == extract_id
+    assert json.loads((stage_dir(cfg, "train") / "summary.json").read_text())["steps"] == 4   # resumed, not refused
+
+
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
 def test_extract_from_regeneration_equals_a_separate_pass(tmp_path, text_twin, dtype, tol):
     """Data + extract with the states kept while regenerating write the same shards as regeneration followed
@@ -100,8 +117,9 @@ def test_extract_from_regeneration_equals_a_separate_pass(tmp_path, text_twin, d
     kept = _run(tmp_path, text_twin, "regen", f"extract.dtype={dtype}")
     passed = _run(tmp_path, text_twin, "pass", f"extract.dtype={dtype}")
     manifest = json.loads((stage_dir(kept, "extract") / "manifest.json").read_text())
+    provenance = json.loads((stage_dir(kept, "extract") / "provenance.json").read_text())
     rows = sum(manifest["rows"].values())
-    assert manifest["from_regeneration"]["rows"] == rows
+    assert provenance["from_regeneration"]["rows"] == rows
     assert not (stage_dir(kept, "data") / "captured").exists()  # consumed
     a, b = _shards(kept), _shards(passed)
     assert a.keys() == b.keys() and len(a) == rows
@@ -206,7 +224,8 @@ def test_two_ranks_keep_states_like_one_process_passes(tmp_path, text_twin):
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     two, one = (make_cfg([*args, f"extract.source={s}", f"output_root={root}"]) for s, (_, root) in runs.items())
     manifest = json.loads((stage_dir(two, "extract") / "manifest.json").read_text())
-    assert manifest["world_size"] == 2 and manifest["from_regeneration"]["rows"] == sum(manifest["rows"].values())
+    provenance = json.loads((stage_dir(two, "extract") / "provenance.json").read_text())
+    assert provenance["world_size"] == 2 and provenance["from_regeneration"]["rows"] == sum(manifest["rows"].values())
     regen = json.loads((stage_dir(two, "data") / "stats.json").read_text())["regeneration"]
     assert [s["captured"]["rows"] > 0 for s in regen["per_rank"]] == [True, True]
     a, b = _shards(two), _shards(one)
@@ -228,7 +247,8 @@ def test_default_target_keeps_states_for_its_answers(tmp_path):
     run_stages(kept)
     run_stages(passed)
     manifest = json.loads((stage_dir(kept, "extract") / "manifest.json").read_text())
-    assert manifest["from_regeneration"]["rows"] >= 0.8 * sum(manifest["rows"].values())
+    provenance = json.loads((stage_dir(kept, "extract") / "provenance.json").read_text())
+    assert provenance["from_regeneration"]["rows"] >= 0.8 * sum(manifest["rows"].values())
     a, b = _shards(kept), _shards(passed)
     assert a.keys() == b.keys()
     scale = max(v[0].float().abs().max().item() for v in b.values())
@@ -261,8 +281,9 @@ def test_a_medusa_run_reuses_the_eagle3_runs_shards(tmp_path, monkeypatch):
     run_stages(own)
     assert loads
     manifest = json.loads((stage_dir(reused, "extract") / "manifest.json").read_text())
-    assert manifest["from_run"]["rows"] == sum(manifest["rows"].values()) and manifest["layers"] == [8]
-    assert manifest["from_run"]["run"].endswith("eagle3")
+    provenance = json.loads((stage_dir(reused, "extract") / "provenance.json").read_text())
+    assert provenance["from_run"]["rows"] == sum(manifest["rows"].values()) and manifest["layers"] == [8]
+    assert provenance["from_run"]["run"].endswith("eagle3")
     a, b = _shards(reused), _shards(own)
     assert a.keys() == b.keys()
     for key in a:
@@ -287,4 +308,5 @@ def test_a_sibling_run_of_a_dataset_cut_in_place_is_not_reused(tmp_path, monkeyp
     run_stages(make_cfg([*args, "stages=[extract]"]))
     assert loads
     manifest = json.loads((stage_dir(cfg, "extract") / "manifest.json").read_text())
-    assert manifest["rows"] == {k: len(v) for k, v in cut.items()} and "from_run" not in manifest
+    provenance = json.loads((stage_dir(cfg, "extract") / "provenance.json").read_text())
+    assert manifest["rows"] == {k: len(v) for k, v in cut.items()} and "from_run" not in provenance

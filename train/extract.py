@@ -13,11 +13,15 @@ Output ``<run_dir>/extract/``:
   [rows + 1] (row r is hidden[offsets[r]:offsets[r+1]]);
   written under a temporary name and renamed, so a file that exists is complete; partial files of a
   killed run are deleted when the stage starts again.
-- ``manifest.json`` (rank 0, after all ranks finished): layers, dtype, hidden size, shards, token
-  counts, bytes, fingerprints of the target, the tokenizer and the data.
+- ``manifest.json`` (rank 0, after all ranks finished): what the shards hold -- layers, dtype, hidden size,
+  shards, token counts, bytes, fingerprints of the target, the tokenizer and the data. It is the stage's output
+  identity (downstream stages and training checkpoints follow its hash), so it holds nothing of how it was made;
+- ``provenance.json``: how it was made -- ranks (``world_size``), rows whose states were kept while
+  regenerating (``from_regeneration``) or copied from a sibling run (``from_run``).
 
-Rows are sorted by length and cut into shards of about ``extract.shard_mb``; shard i belongs to
-rank i % world_size; inside a shard, batches of at most ``extract.batch_tokens`` padded tokens.
+Rows are sorted by length and cut into shards of about ``extract.shard_mb``; the shards still to write (rank 0
+decides which: its view of the files) are dealt to the ranks in turn; inside a shard, batches of at most
+``extract.batch_tokens`` padded tokens. ``force=[extract]`` writes every shard again.
 """
 
 from __future__ import annotations
@@ -133,11 +137,28 @@ HOW = ("extract.batch_tokens", "extract.zero_stage", "extract.source", "extract.
 
 
 def _complete(path: Path, fp: str) -> bool:
-    """A shard from this very configuration (an older one, from other settings, is redone)."""
+    """A shard from this very configuration (an older one, from other settings, is redone; so is one a crash or
+    power loss left torn or empty, which safetensors cannot open)."""
     if not path.exists():
         return False
-    with safe_open(str(path), framework="pt") as f:
-        return (f.metadata() or {}).get("fingerprint") == fp
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("fingerprint") == fp
+    except Exception:  # safetensors' SafetensorError (header too small, file not fully covered), OSError
+        return False
+
+
+def _durable_replace(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` to ``path`` once its bytes are on disk (fsync), and the rename too: without it a node crash
+    can leave a zero-length file under the final name."""
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def check_disk(path: Path, needed: int, margin: float) -> None:
@@ -198,20 +219,26 @@ def run(cfg: DictConfig) -> dict:
     lengths = {s: row_lengths(ds[s]) for s in SPLITS}
     shards = plan_shards(lengths, bytes_per_token, cfg.extract.shard_mb)
     fp = fingerprint(cfg, "extract", ignore=HOW)
-    todo = {s["file"] for s in shards if not _complete(out / s["file"], fp)}  # a set: ~60k shards at 8B x 1B tokens
     dataset_id = data_manifest["dataset_id"]
     ready = ReadyStates(cfg, ds, lengths, layers, data_manifest["target_fingerprint"], dataset_id)
+    todo = None
     if dist.is_main():  # shards of an earlier plan (another shard_mb, other rows) would never be overwritten
         for f in set(out.glob("*.safetensors")) - {out / s["file"] for s in shards}:
             f.unlink()
+        redo = "extract" in cfg.force  # force: every shard again, not only the missing ones
+        todo = {s["file"] for s in shards if redo or not _complete(out / s["file"], fp)}  # ~60k shards at 8B x 1B tokens
+    # Rank 0's view, on every rank (ranks reading the files themselves could disagree on a shared filesystem, and
+    # ZeRO-3's passes must match); what is left is dealt anew, so a rerun after one rank's crash uses every rank.
+    todo = dist.broadcast(todo)
     overwritten = sum((out / f).stat().st_size for f in todo if (out / f).exists())
     check_disk(out, sum(s["tokens"] for s in shards if s["file"] in todo) * (bytes_per_token + 4) - overwritten,
                cfg.extract.disk_margin)
 
     world, rank = dist.world_size(), dist.rank()
-    mine = [s for i, s in enumerate(shards) if i % world == rank and s["file"] in todo]
+    pending = [s for s in shards if s["file"] in todo]
+    mine = pending[rank::world]
     # ZeRO-3 gathers parameters collectively: every rank must run the same number of forward passes.
-    plans = [[b for s in shards[r::world] if s["file"] in todo for b in batches(
+    plans = [[b for s in pending[r::world] for b in batches(
         [row for row in s["rows"] if row not in ready.rows[s["split"]]], lengths[s["split"]], cfg.extract.batch_tokens)]
         for r in range(world)]
     n_passes = max(len(p) for p in plans) if cfg.extract.zero_stage == 3 else len(plans[rank])
@@ -242,7 +269,7 @@ def run(cfg: DictConfig) -> dict:
                    "argmax": torch.cat([pieces[r][1] for r in rows]).contiguous(),
                    "row_index": torch.tensor(rows, dtype=torch.long), "offsets": offsets},
                   str(tmp), metadata={"layers": json.dumps(layers), "split": split, "fingerprint": fp})
-        os.replace(tmp, out / shard["file"])
+        _durable_replace(tmp, out / shard["file"])
     dummy = torch.full((1, 1), tokenizer.pad_token_id, dtype=torch.long, device=device)
     for _ in range(n_passes - done_passes):  # keep ZeRO-3 ranks in step
         capture(model, dummy, layers)
@@ -260,11 +287,11 @@ def run(cfg: DictConfig) -> dict:
         "data_tokens": data_manifest["tokens"],
         "shards": [{"file": s["file"], "split": s["split"], "rows": len(s["rows"]), "tokens": s["tokens"]} for s in shards],
         "rows": {s: len(lengths[s]) for s in SPLITS}, "tokens": tokens, "bytes": total_bytes,
-        "bytes_per_token": round(total_bytes / max(tokens, 1), 1), "world_size": world, "dataset_id": dataset_id,
-        **ready.summary(),
+        "bytes_per_token": round(total_bytes / max(tokens, 1), 1), "dataset_id": dataset_id,
     }
     if dist.is_main():
         (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        (out / "provenance.json").write_text(json.dumps({"world_size": world, **ready.summary()}, indent=2))
         if ready.captured is not None:  # now copied into the shards
             shutil.rmtree(ready.captured.dir, ignore_errors=True)
     rate = sum(s["tokens"] for s in mine) / max(elapsed, 1e-9)
@@ -324,8 +351,8 @@ class ReadyStates:
             rows = [(s, r) for s in SPLITS for r, o in self.rows[s].items() if o == origin]
             if rows or (origin == "regeneration" and self.captured is not None):
                 out[key] = {"rows": len(rows), "tokens": sum(self.lengths[s][r] for s, r in rows)}
-        if self.sibling is not None:
-            out["from_run"]["run"] = str(self.sibling[0].dir.parent)
+        if self.sibling is not None:  # found, if no row needed it (every row kept while regenerating): 0 rows
+            out.setdefault("from_run", {"rows": 0, "tokens": 0})["run"] = str(self.sibling[0].dir.parent)
         return out
 
 
