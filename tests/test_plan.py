@@ -60,6 +60,10 @@ def test_plan_figures_follow_the_config(cfg_factory):
     assert p["eval"]["memory"].items["target weights"] == pytest.approx(7.62e9 * 2, rel=0.01)
     huge = planner.plan(cfg_factory("model=qwen2.5-7b", "planner.tokens=10000000000000"))
     assert "DISK TOO SMALL" in planner.format_plan(huge)
+    # online training has no extract stage: no disk to refuse
+    online = planner.format_plan(planner.plan(cfg_factory("model=qwen2.5-7b", "planner.tokens=10000000000000",
+                                                          "train.online=true")))
+    assert "EXTRACT  skipped: train.online=true" in online and "DISK TOO SMALL" not in online
 
 
 def test_plan_holds_out_the_validation_rows_the_data_stage_will(cfg_factory):

@@ -206,11 +206,14 @@ def test_bookkeeping_keys_skip_or_resume(prepared, tmp_path, monkeypatch):
     run_stages(make_cfg([*BASE, f"output_root={tmp_path}", "stages=[train]", "train.log_every=5",
                          "train.keep_checkpoints=3", "train.num_threads=2", "dist_timeout_minutes=9"]))
     assert read_marker(cfg, "train") == marker
-    # A validation setting: the stage reruns, resumes its last checkpoint, trains nothing again.
+    # A validation setting: the stage reruns, resumes its last checkpoint, trains nothing again, and leaves that
+    # checkpoint as it was (rewritten in place, a crash mid-save would tear the one `latest` names).
+    saved = {f: f.stat().st_mtime_ns for f in (stage_dir(cfg, "train") / "checkpoints").rglob("*") if f.is_file()}
     lines = logged(monkeypatch)
     run_stages(make_cfg([*BASE, f"output_root={tmp_path}", "stages=[train]", "train.eval_every=2"]))
     assert any("resuming with changed train.eval_every" in line for line in lines)
     assert any("resumed from step0000006" in line for line in lines)
+    assert {f: f.stat().st_mtime_ns for f in saved} == saved
     assert [m["step"] for m in train_metrics(cfg)] == list(range(1, 7))
     torch.testing.assert_close(load_file(str(stage_dir(cfg, "train") / "head/model.safetensors")), head)
 
@@ -227,6 +230,11 @@ def test_changed_validation_settings_score_from_scratch(prepared, tmp_path, monk
     best = json.loads((stage_dir(cfg, "train") / "summary.json").read_text())["best"]
     assert any("the best score starts over" in line for line in lines)
     assert best["step"] == 6 and best["sim_tau"] < first["sim_tau"]  # scored with 1 draft step, saved at step 6
+    assert "acc_1" not in best
+    # a finished run (nothing left to train) is scored again at its end: head/ was left with the old scale's figures
+    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", *base, "train.max_steps=6", "train.val_steps=2"]))
+    best = json.loads((stage_dir(cfg, "train") / "summary.json").read_text())["best"]
+    assert best["step"] == 6 and "acc_1" in best
 
 
 def test_a_save_cut_short_by_a_crash_never_outranks_the_checkpoint_latest_names(prepared, tmp_path):
@@ -303,28 +311,39 @@ def test_budget_is_for_the_whole_run():
     assert state["total_steps"] == 100  # faster: extended, never beyond the planned steps
     state["step"] = 100  # the last planned step: no step added (a bug once extended the run a step at a time)
     assert not train.loop.fit_schedule(state, tcfg, step_s=0.01, elapsed_s=37.0, planned_steps=100, lr_ratio=0.1)
-    resumed = state | {"step": 34, "total_steps": 40, "segment": [20, ratio], "warmup": 2}
+    resumed = state | {"step": 34, "total_steps": 40, "segment": [20, ratio]}
     reached = train.loop.lr_lambda(34, 2, 40, 0.1, [20, ratio])
-    assert train.loop.replan(resumed, 100, 2, 0.1) == pytest.approx(reached)   # the budget grew: no jump
+    assert train.loop.replan(resumed, 100, 2, 0.1, reached) == pytest.approx(reached)   # the budget grew: no jump
     assert resumed["segment"] == [34, reached] and resumed["total_steps"] == 100 and not resumed["fitted"]
     assert train.loop.lr_lambda(100, 2, 100, 0.1, resumed["segment"]) == pytest.approx(0.1)
 
 
 def test_a_short_run_extended_warms_up_instead_of_training_at_its_annealed_rate():
-    """A 50-step smoke run (warmup 5, annealed to min_lr_ratio by step 50) in the run directory the real run then
-    reuses (1000 steps, warmup 100): the real run warms up from step 50 to the full rate, then anneals; it used to
-    continue from the smoke run's ratio (computed with the new warmup: 0.51) down to 0.1, never at the full rate.
-    A long run extended past its warmup continues from the ratio it reached (its own warmup's)."""
-    smoke = {"step": 50, "total_steps": 50, "warmup": 5}
-    assert train.loop.lr_lambda(50, 5, 50, 0.1) == pytest.approx(0.1)
-    assert train.loop.replan(smoke, 1000, 100, 0.1) == pytest.approx(51 / 100)
-    ratios = [train.loop.lr_lambda(s, smoke["warmup"], smoke["total_steps"], 0.1, smoke["segment"])
-              for s in range(50, 1000)]
+    """A 50-step smoke run (annealed to min_lr_ratio by step 50) in the run directory the real run then reuses (1000
+    steps, warmup 100): the real run warms up from step 50 to the full rate, then anneals; it used to continue from
+    the smoke run's ratio down to 0.1, never at the full rate. A run above the new ramp (an 80-step run at step 20,
+    0.94, extended) continues its cosine from there rather than dropping to the ramp."""
+    smoke = {"step": 50, "total_steps": 50}
+    assert train.loop.replan(smoke, 1000, 100, 0.1, reached=0.1) == pytest.approx(51 / 100)
+    ratios = [train.loop.lr_lambda(s, 100, smoke["total_steps"], 0.1, smoke["segment"]) for s in range(50, 1000)]
     assert max(ratios) == pytest.approx(1.0) and ratios[-1] == pytest.approx(0.1, abs=1e-3)
-    long = {"step": 5000, "total_steps": 10000, "warmup": 200}   # mid-cosine, extended to 20000 steps
-    reached = train.loop.lr_lambda(5000, 200, 10000, 0.1)
-    assert train.loop.replan(long, 20000, 10, 0.1) == pytest.approx(reached)  # its own warmup, not the new one
-    assert long["segment"] == [5000, reached]
+    early = {"step": 20, "total_steps": 80}
+    assert train.loop.replan(early, 1000, 100, 0.1, reached=0.94) == pytest.approx(0.94)
+    assert early["segment"] == [20, 0.94]
+
+
+def test_a_resumed_run_continues_at_the_rate_its_scheduler_reached(prepared, tmp_path):
+    """The ratio a budget change continues from is the restored scheduler's, whatever warmup the first run had (the
+    warmup depends on the planned steps: recomputed from the new plan, it made an annealed run look mid-warmup, at
+    11/12, and the real run then annealed from there, never at the full rate)."""
+    base = ["stages=[train]", "train.checkpoint_every=10", "train.warmup_steps=20"]
+    cfg = fresh_run(prepared, tmp_path, *base, "train.max_steps=10")   # warmup 1 (a tenth of 10): annealed at 10
+    run_stages(cfg)
+    first = [m["lr"] for m in train_metrics(cfg)]
+    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", *base, "train.max_steps=120"]))   # warmup 12
+    lr = [m["lr"] for m in train_metrics(cfg)]
+    assert lr[:10] == pytest.approx(first) and first[-1] == pytest.approx(0.1 * first[0])  # annealed at step 10
+    assert lr[10] == max(lr) == pytest.approx(first[0])   # warmed up again to the full rate (logged: the next step's)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -221,18 +221,18 @@ def run(cfg: DictConfig) -> dict:
     fp = fingerprint(cfg, "extract", ignore=HOW)
     dataset_id = data_manifest["dataset_id"]
     ready = ReadyStates(cfg, ds, lengths, layers, data_manifest["target_fingerprint"], dataset_id)
-    todo = None
+    todo = needed = None
     if dist.is_main():  # shards of an earlier plan (another shard_mb, other rows) would never be overwritten
         for f in set(out.glob("*.safetensors")) - {out / s["file"] for s in shards}:
             f.unlink()
         redo = "extract" in cfg.force  # force: every shard again, not only the missing ones
         todo = {s["file"] for s in shards if redo or not _complete(out / s["file"], fp)}  # ~60k shards at 8B x 1B tokens
+        overwritten = sum((out / f).stat().st_size for f in todo if (out / f).exists())
+        needed = sum(s["tokens"] for s in shards if s["file"] in todo) * (bytes_per_token + 4) - overwritten
     # Rank 0's view, on every rank (ranks reading the files themselves could disagree on a shared filesystem, and
     # ZeRO-3's passes must match); what is left is dealt anew, so a rerun after one rank's crash uses every rank.
-    todo = dist.broadcast(todo)
-    overwritten = sum((out / f).stat().st_size for f in todo if (out / f).exists())
-    check_disk(out, sum(s["tokens"] for s in shards if s["file"] in todo) * (bytes_per_token + 4) - overwritten,
-               cfg.extract.disk_margin)
+    todo, needed = dist.broadcast((todo, needed))
+    check_disk(out, needed, cfg.extract.disk_margin)
 
     world, rank = dist.world_size(), dist.rank()
     pending = [s for s in shards if s["file"] in todo]
@@ -278,7 +278,7 @@ def run(cfg: DictConfig) -> dict:
     peak_rss = max(dist.all_gather_objects(peak_rss_gib()))
     dist.barrier()
 
-    total_bytes = sum((out / s["file"]).stat().st_size for s in shards)
+    total_bytes = dist.broadcast(sum((out / s["file"]).stat().st_size for s in shards) if dist.is_main() else None)
     tokens = sum(s["tokens"] for s in shards)
     manifest = {
         "layers": layers, "dtype": cfg.extract.dtype, "hidden_size": hidden,
@@ -323,8 +323,9 @@ class ReadyStates:
                 for r, key in enumerate(ds[split]["key"]):
                     if key in self.captured.index and self.captured.covers(key, ds[split][r]["input_ids"]):
                         self.rows[split][r] = "regeneration"
-        if cfg.extract.get("reuse", True):
-            self.sibling = _sibling(cfg, layers, target, dataset_id, lengths)
+        if cfg.extract.get("reuse", True):  # rank 0's choice (a sibling finishing now: ranks could see different ones)
+            found = dist.broadcast(_sibling(cfg, layers, target, dataset_id, lengths) if dist.is_main() else None)
+            self.sibling = None if found is None else (Captures(found[0]), found[1])
         if self.sibling is not None:
             for split in SPLITS:
                 for r in self.sibling[0].index[split]:
@@ -357,8 +358,9 @@ class ReadyStates:
 
 
 def _sibling(cfg: DictConfig, layers: list[int], target: str, dataset_id: str,
-             lengths: dict[str, list[int]]) -> tuple[Captures, list[int]] | None:
-    """(the shards of another finished run that hold this run's states, indices of our layers in theirs).
+             lengths: dict[str, list[int]]) -> tuple[Path, list[int]] | None:
+    """(the extract directory of another finished run that holds this run's states, indices of our layers in
+    theirs).
     Its row counts and tokens must also match ours: a dataset edited in place keeps its old id."""
     rows, tokens = {s: len(v) for s, v in lengths.items()}, sum(map(sum, lengths.values()))
     here = Path(cfg.run_dir).resolve()
@@ -370,7 +372,7 @@ def _sibling(cfg: DictConfig, layers: list[int], target: str, dataset_id: str,
         m = json.loads(manifest.read_text())
         if (m.get("dataset_id"), m["dtype"], m["target_fingerprint"]) == (dataset_id, cfg.extract.dtype, target) \
                 and set(layers) <= set(m["layers"]) and (m["rows"], m["tokens"]) == (rows, tokens):
-            return Captures(run / "extract"), [m["layers"].index(i) for i in layers]
+            return run / "extract", [m["layers"].index(i) for i in layers]
     return None
 
 

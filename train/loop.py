@@ -521,8 +521,8 @@ class Trainer:
         self.warmup = warmup_steps(self.tcfg.warmup_steps, self.planned_steps)
         # With a wall-clock budget the schedule is fitted to it from the measured step time once the warmup has
         # been timed (kept in the checkpointed state, so a resumed run follows the same schedule).
-        self.state = {"step": 0, "best": -1.0, "bad_evals": 0, "history": [], "total_steps": self.planned_steps,
-                      "warmup": self.warmup}
+        self.state = {"step": 0, "best": -1.0, "bad_evals": 0, "history": [], "total_steps": self.planned_steps}
+        self.rescore = False  # validation settings changed on resume: validate at the end whatever was validated
         # A lambda, not the bound method: LambdaLR leaves plain functions out of its (checkpointed) state.
         self.engine, self.scheduler = make_engine(head, self.tcfg, self.dtype, lambda s: self.lr_ratio(s))
         self.model = self.engine.module
@@ -535,8 +535,8 @@ class Trainer:
 
     def lr_ratio(self, step: int) -> float:
         """The learning-rate multiplier at ``step`` under the current plan (``state`` changes when refitted)."""
-        t, s = self.tcfg, self.state  # the run's own warmup (a checkpoint made before it was kept: this run's)
-        return lr_lambda(step, s.get("warmup", self.warmup), s["total_steps"], t.min_lr_ratio, s.get("segment"))
+        t, s = self.tcfg, self.state
+        return lr_lambda(step, self.warmup, s["total_steps"], t.min_lr_ratio, s.get("segment"))
 
     def resume(self) -> None:
         """Continue from the latest complete checkpoint. ``force=[train]`` deletes the checkpoints and starts
@@ -585,10 +585,16 @@ class Trainer:
             # other rows or another number of draft steps: a score on another scale. Against the old best, a
             # lower val_steps would never improve (head/ kept as it was, early stop after patience validations)
             state.update(best=-1.0, bad_evals=0)
+            self.rescore = True
             log("[train] validation settings changed: the best score starts over (head/ is replaced at the next "
-                "validation)")
+                "validation, at the end at the latest)")
         if any(k in changed for k in ("train.max_minutes", "train.max_steps", "train.epochs")):
-            ratio = replan(state, self.planned_steps, self.warmup, self.tcfg.min_lr_ratio)
+            # the ratio reached is the restored scheduler's (whatever warmup and plan the run had)
+            reached = self.scheduler.get_last_lr()[0] / self.scheduler.base_lrs[0]
+            ratio = replan(state, self.planned_steps, self.warmup, self.tcfg.min_lr_ratio, reached)
+            for group, base in zip(self.scheduler.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+                group["lr"] = base * ratio  # the next step already at the new plan's rate
+            self.scheduler._last_lr = [g["lr"] for g in self.scheduler.optimizer.param_groups]
             log(f"[train] new budget: from step {state['step']} the learning rate is {ratio:.3g} x train.lr, "
                 + (f"warming up to step {self.warmup}, then a cosine" if state.get("segment") is None else "a cosine")
                 + f" to {self.tcfg.min_lr_ratio:g} x at step {state['total_steps']} (refitted to the time budget as "
@@ -632,7 +638,7 @@ class Trainer:
             if not stop and state["step"] % self.data.steps_per_epoch == 0 and state["step"] % tcfg.eval_every != 0:
                 self.evaluate("epoch")
         self.bar.close()
-        if not state["history"] or state["history"][-1]["step"] != state["step"]:
+        if self.rescore or not state["history"] or state["history"][-1]["step"] != state["step"]:
             self.evaluate("end")
         self.checkpoint()
 
@@ -735,6 +741,10 @@ class Trainer:
         t0 = time.time()
         state, ckpt_dir = self.state, self.ckpt_dir
         tag = f"step{state['step']:07d}"
+        latest = ckpt_dir / "latest"
+        if dist.broadcast(latest.exists() and latest.read_text().strip() == tag if dist.is_main() else None):
+            return  # saved at this step already (a run ending on a checkpoint step, a resume with nothing to train):
+            #         rewritten in place, a crash mid-save would tear the one checkpoint `latest` names
         if dist.is_main():
             (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
             (ckpt_dir / tag / "client.json").write_text(json.dumps({"fingerprint": self.fingerprint, "world": self.world,
@@ -825,21 +835,17 @@ def checkpoint_changes(client: dict, identity: dict) -> list[str]:
     return sorted(k for k in old.keys() | identity.keys() if old.get(k) != identity.get(k))
 
 
-def replan(state: dict, planned_steps: int, warmup: int, min_ratio: float) -> float:
+def replan(state: dict, planned_steps: int, warmup: int, min_ratio: float, reached: float) -> float:
     """A resumed run whose budget (max_minutes / max_steps / epochs) changed: the planned steps are those of the
-    new budget, fitted again to train.max_minutes once steps are timed. The cosine continues from the
-    learning-rate ratio reached (under the run's own warmup) to its end at the new total (:func:`lr_lambda`): no
-    jump. A run still inside the new plan's ``warmup`` (a short run extended: a smoke test's run directory reused
-    for the real run) warms up on instead: continued from its annealed ratio, the whole real run would train at a
-    tenth of the rate. Returns the ratio at the current step."""
+    new budget, fitted again to train.max_minutes once steps are timed. The cosine continues from ``reached``, the
+    learning-rate ratio the run had, to its end at the new total (:func:`lr_lambda`): no jump. A run still inside
+    the new plan's ``warmup`` and below its ramp (a short run extended: a smoke test's run directory reused for the
+    real run, annealed to min_lr_ratio) warms up on instead: continued from its annealed ratio, the whole real run
+    would train at a tenth of the rate. Returns the ratio at the current step."""
     step = state["step"]
-    reached = lr_lambda(step, state.get("warmup", warmup), state["total_steps"], min_ratio, state.get("segment"))
     state.update(total_steps=max(planned_steps, step), fitted=False)
-    if step < warmup:
-        state.update(warmup=warmup, segment=None)
-    else:
-        state["segment"] = [step, reached]
-    return lr_lambda(step, state.get("warmup", warmup), state["total_steps"], min_ratio, state["segment"])
+    state["segment"] = None if step < warmup and reached < (step + 1) / warmup else [step, reached]
+    return lr_lambda(step, warmup, state["total_steps"], min_ratio, state["segment"])
 
 
 def _remove_checkpoints(ckpt_dir) -> None:

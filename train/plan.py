@@ -367,7 +367,7 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
         "model": cfg.model.name, "architecture": type(config).__name__.removesuffix("Config"), "config_source": source,
         "device": device.type, "dtype": _name(dtype), "world_size": world, "shapes": sh, "tokens": tokens,
         "tokens_source": tokens_source, "free_here": _free_memory(device) if _here(device) else None,
-        "headroom": pc.headroom,
+        "headroom": pc.headroom, "online": bool(tc.online),
         "extract": {"bytes_per_token": per_token, "disk_bytes": total * per_token, "disk_dir": str(disk_dir),
                     # states kept while regenerating sit beside the shards until extract has copied them all
                     "disk_peak": total * per_token * (2 if keeps_states(cfg) else 1),
@@ -418,14 +418,17 @@ def format_plan(p: dict) -> str:
                                                           f" (x{p['headroom']} headroom)" if over else ""))
         lines.extend(f"    {k:<25}{_gib(v)}   {est.notes[k]}" for k, v in est.items.items())
 
-    lines += ["", "EXTRACT", f"  {'disk':<27}{_gib(ex['disk_bytes'])}   {ex['bytes_per_token']:,} bytes/token x "
-              f"{sum(p['tokens'].values()):,} tokens = {ex['bytes_per_token'] * 1e6 / GiB:.1f} GiB per million tokens; "
-              f"{ex['disk_free'] / GiB:.1f} GiB free at {ex['disk_dir']}"
-              + (f"; peak {ex['disk_peak'] / GiB:.1f} GiB: the states kept while regenerating (extract.source) stay "
-                 "until extract has copied them into its shards" if ex["disk_peak"] > ex["disk_bytes"] else "")
-              + (f"   << DISK TOO SMALL (x{ex['disk_margin']} margin): extract will refuse" if short_disk else "")]
-    memory("memory per rank (peak)", ex["memory"])
-    lines.append(f"  {'time':<27}{_duration(ex['hours'])}   at {ex['tok_s']:,.0f} tok/s per rank ({ex['basis']})")
+    if p.get("online"):
+        lines += ["", "EXTRACT  skipped: train.online=true computes the hidden states during training (no disk)"]
+    else:
+        lines += ["", "EXTRACT", f"  {'disk':<27}{_gib(ex['disk_bytes'])}   {ex['bytes_per_token']:,} bytes/token x "
+                  f"{sum(p['tokens'].values()):,} tokens = {ex['bytes_per_token'] * 1e6 / GiB:.1f} GiB per million "
+                  f"tokens; {ex['disk_free'] / GiB:.1f} GiB free at {ex['disk_dir']}"
+                  + (f"; peak {ex['disk_peak'] / GiB:.1f} GiB: the states kept while regenerating (extract.source) "
+                     "stay until extract has copied them into its shards" if ex["disk_peak"] > ex["disk_bytes"] else "")
+                  + (f"   << DISK TOO SMALL (x{ex['disk_margin']} margin): extract will refuse" if short_disk else "")]
+        memory("memory per rank (peak)", ex["memory"])
+        lines.append(f"  {'time':<27}{_duration(ex['hours'])}   at {ex['tok_s']:,.0f} tok/s per rank ({ex['basis']})")
     lines += ["", "TRAIN"]
     memory("memory per rank (peak)", tr["memory"])
     lines.append(f"  {'time':<27}{_duration(tr['hours'])}   {tr['tokens']:,} tokens at {tr['tok_s']:,.0f} tok/s per rank "
