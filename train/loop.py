@@ -594,7 +594,6 @@ class Trainer:
             ratio = replan(state, self.planned_steps, self.warmup, self.tcfg.min_lr_ratio, reached)
             for group, base in zip(self.scheduler.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
                 group["lr"] = base * ratio  # the next step already at the new plan's rate
-            self.scheduler._last_lr = [g["lr"] for g in self.scheduler.optimizer.param_groups]
             log(f"[train] new budget: from step {state['step']} the learning rate is {ratio:.3g} x train.lr, "
                 + (f"warming up to step {self.warmup}, then a cosine" if state.get("segment") is None else "a cosine")
                 + f" to {self.tcfg.min_lr_ratio:g} x at step {state['total_steps']} (refitted to the time budget as "
