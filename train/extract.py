@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -172,21 +173,36 @@ def check_disk(path: Path, needed: int, margin: float) -> None:
         )
 
 
-def _load_model(cfg: DictConfig, device: torch.device):
-    if cfg.extract.zero_stage == 3:
-        # ZeRO-3: parameters partitioned across ranks at load time, gathered layer by layer.
-        import deepspeed
-        from transformers.integrations import HfDeepSpeedConfig
+@contextmanager
+def _loaded_target(cfg: DictConfig, device: torch.device):
+    """The target for the forward passes; under ZeRO-3 (``extract.zero_stage=3``) partitioned by DeepSpeed and
+    released on exit: DeepSpeed keeps the module in a global stack and its hooks on it, so without the release the
+    partitioned target (its share of every rank's memory: 17 GiB per GPU for 70B in bf16 on 8) stays into the
+    train stage."""
+    if cfg.extract.zero_stage != 3:
+        yield load_target(cfg, device)
+        return
+    import deepspeed
+    from deepspeed.runtime.zero import parameter_offload
+    from transformers.integrations import HfDeepSpeedConfig
 
-        dist.init(device, single=True, timeout_minutes=cfg.dist_timeout_minutes)  # DeepSpeed needs a group, even for one rank
-
-        dtype = getattr(torch, cfg.extract.dtype) if device.type == "cuda" else torch.float32
-        ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
-                     "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16}}
-        keep = HfDeepSpeedConfig(ds_config)  # noqa: F841  (must live while from_pretrained runs)
-        model = load_target(cfg, device, dtype)
-        return deepspeed.initialize(model=model, config=ds_config)[0].module
-    return load_target(cfg, device)
+    dist.init(device, single=True, timeout_minutes=cfg.dist_timeout_minutes)  # DeepSpeed needs a group, even for one rank
+    dtype = getattr(torch, cfg.extract.dtype) if device.type == "cuda" else torch.float32
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                 "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16}}
+    partitioned = HfDeepSpeedConfig(ds_config)  # transformers partitions what it loads while this object lives
+    engine = deepspeed.initialize(model=load_target(cfg, device, dtype), config=ds_config)[0]
+    del partitioned
+    model = engine.module
+    try:
+        yield model
+    finally:
+        engine.destroy()  # its hooks on every module
+        # What DeepSpeed keeps for the life of the process: the module on its global stack, and the engine's ZeRO-3
+        # state (its local autograd Function classes are never freed), which holds the module and every submodule.
+        stack = parameter_offload.FWD_MODULE_STACK
+        stack[:] = [m for m in stack if m is not model]
+        vars(engine.optimizer).clear()  # the stage runner then frees the target (release_memory)
 
 
 def _full_weight(param: torch.Tensor, zero_stage: int) -> torch.Tensor:
@@ -242,38 +258,39 @@ def run(cfg: DictConfig) -> dict:
         [row for row in s["rows"] if row not in ready.rows[s["split"]]], lengths[s["split"]], cfg.extract.batch_tokens)]
         for r in range(world)]
     n_passes = max(len(p) for p in plans) if cfg.extract.zero_stage == 3 else len(plans[rank])
-    if n_passes:  # every row ready: the target is not even loaded
-        model = _load_model(cfg, device)
-        lm_head = _full_weight(model.get_output_embeddings().weight, cfg.extract.zero_stage)
-    bar = progress(total=sum(s["tokens"] for s in mine), desc="extract", unit="tok", unit_scale=True)
-    start, done_passes, forward_s = time.time(), 0, 0.0
-    for shard in mine:
-        split = shard["split"]
-        pieces = {r: ready.get(split, r) for r in shard["rows"] if r in ready.rows[split]}
-        bar.update(sum(lengths[split][r] for r in pieces))
-        for batch in batches([r for r in shard["rows"] if r not in pieces], lengths[split], cfg.extract.batch_tokens):
-            ids, mask = padded([ds[split][r]["input_ids"] for r in batch], tokenizer.pad_token_id)
-            t0 = time.time()
-            states = capture(model, ids.to(device), layers, mask.to(device))
-            argmax = full_argmax(states[:, :, -1], lm_head).to("cpu", torch.int32)
-            states = states.to("cpu", dtype)
-            forward_s += time.time() - t0
-            done_passes += 1
-            for j, r in enumerate(batch):
-                pieces[r] = (states[j, : lengths[split][r]], argmax[j, : lengths[split][r]])
-            bar.update(sum(lengths[split][r] for r in batch))
-        rows = shard["rows"]
-        offsets = torch.tensor([0] + [lengths[split][r] for r in rows]).cumsum(0)
-        tmp = out / f".{shard['file']}.tmp{os.getpid()}"
-        save_file({"hidden": torch.cat([pieces[r][0] for r in rows]).contiguous(),
-                   "argmax": torch.cat([pieces[r][1] for r in rows]).contiguous(),
-                   "row_index": torch.tensor(rows, dtype=torch.long), "offsets": offsets},
-                  str(tmp), metadata={"layers": json.dumps(layers), "split": split, "fingerprint": fp})
-        _durable_replace(tmp, out / shard["file"])
-    dummy = torch.full((1, 1), tokenizer.pad_token_id, dtype=torch.long, device=device)
-    for _ in range(n_passes - done_passes):  # keep ZeRO-3 ranks in step
-        capture(model, dummy, layers)
-    bar.close()
+    with ExitStack() as target:
+        if n_passes:  # every row ready: the target is not even loaded
+            model = target.enter_context(_loaded_target(cfg, device))
+            lm_head = _full_weight(model.get_output_embeddings().weight, cfg.extract.zero_stage)
+        bar = progress(total=sum(s["tokens"] for s in mine), desc="extract", unit="tok", unit_scale=True)
+        start, done_passes, forward_s = time.time(), 0, 0.0
+        for shard in mine:
+            split = shard["split"]
+            pieces = {r: ready.get(split, r) for r in shard["rows"] if r in ready.rows[split]}
+            bar.update(sum(lengths[split][r] for r in pieces))
+            for batch in batches([r for r in shard["rows"] if r not in pieces], lengths[split], cfg.extract.batch_tokens):
+                ids, mask = padded([ds[split][r]["input_ids"] for r in batch], tokenizer.pad_token_id)
+                t0 = time.time()
+                states = capture(model, ids.to(device), layers, mask.to(device))
+                argmax = full_argmax(states[:, :, -1], lm_head).to("cpu", torch.int32)
+                states = states.to("cpu", dtype)
+                forward_s += time.time() - t0
+                done_passes += 1
+                for j, r in enumerate(batch):
+                    pieces[r] = (states[j, : lengths[split][r]], argmax[j, : lengths[split][r]])
+                bar.update(sum(lengths[split][r] for r in batch))
+            rows = shard["rows"]
+            offsets = torch.tensor([0] + [lengths[split][r] for r in rows]).cumsum(0)
+            tmp = out / f".{shard['file']}.tmp{os.getpid()}"
+            save_file({"hidden": torch.cat([pieces[r][0] for r in rows]).contiguous(),
+                       "argmax": torch.cat([pieces[r][1] for r in rows]).contiguous(),
+                       "row_index": torch.tensor(rows, dtype=torch.long), "offsets": offsets},
+                      str(tmp), metadata={"layers": json.dumps(layers), "split": split, "fingerprint": fp})
+            _durable_replace(tmp, out / shard["file"])
+        dummy = torch.full((1, 1), tokenizer.pad_token_id, dtype=torch.long, device=device)
+        for _ in range(n_passes - done_passes):  # keep ZeRO-3 ranks in step
+            capture(model, dummy, layers)
+        bar.close()
     elapsed = time.time() - start
     peak_rss = max(dist.all_gather_objects(peak_rss_gib()))
     dist.barrier()
