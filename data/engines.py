@@ -39,7 +39,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from data.captured import CaptureWriter, keeps_states
-from data.formats import DataError, prompt_key
+from data.formats import DataError, appending, prompt_key
 from data.regenerate import (
     _answered,
     add_answer,
@@ -54,7 +54,7 @@ from data.regenerate import (
 )
 from data.template import prompt_ids, with_system
 from train import dist
-from train.log import log, progress
+from train.log import STEPS, log, progress
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ("hf", "vllm", "openai")
@@ -202,7 +202,7 @@ def fold_parts(path: Path) -> int:
     if not parts:
         return 0
     cached, added = read_cache(path), 0
-    with open(path, "a", encoding="utf-8") as f:
+    with appending(path) as f:
         for part in parts:
             for key, row in read_cache(part).items():
                 if not cached.get(key, {}).get("complete"):
@@ -259,7 +259,8 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
     rank_done = {}
     pulses = {r: Pulse(stage_dir(cfg, "data") / f"{ALIVE}.rank{r}", stale_s or STALE_S, 60 * cfg.hang_minutes)
               for r in range(1, world)}
-    start = time.time()
+    start, seen = time.time(), time.monotonic()
+    waiting = progress(total=world, desc="ranks done", unit="rank")
     while len(rank_done) < world:
         for r in sorted(set(range(world)) - set(rank_done)):
             r_part, r_done, r_failed = part_files(path, r, world)
@@ -268,13 +269,20 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
                                  f"(answers written so far are kept in {r_part}; a rerun resumes)")
             if r_done.exists():
                 rank_done[r] = json.loads(r_done.read_text())
+                waiting.update()
             elif why := pulses[r].problem(f"rank {r}", f"regenerating its share into {r_part}"):
                 raise RegenError(why)
+        # The ranks done wait for the stage's marker watching rank 0's progress (train.stages.Pulse): while it waits
+        # here the others' progress is its own, or after hang_minutes they would stop a run whose slowest ranks work.
+        if (moved := max((p.moved for p in pulses.values()), default=seen)) > seen:
+            seen = moved
+            STEPS[0] += 1
         if len(rank_done) < world:
             time.sleep(poll_s)
+    waiting.close()
     log(f"[data] every rank has regenerated its share; merging {world} parts into {path} "
         f"(waited {time.time() - start:.0f} s)")
-    with open(path, "a", encoding="utf-8") as f:
+    with appending(path) as f:
         for r in range(world):
             r_part = part_files(path, r, world)[0]
             keys = rank_done[r]["keys"]

@@ -30,7 +30,9 @@ import os
 import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TextIO
 
 from train.errors import UserError
 
@@ -287,18 +289,37 @@ def normalise(text: str) -> str:
     return re.sub(r"\W+", " ", text.lower()).strip()
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def iter_jsonl(path: Path) -> Iterator[dict]:
     """The rows of a JSON-lines file this project appends to as it works (regeneration and synth caches,
-    eval records), in order; a line torn by a crash is skipped. [] when the file does not exist."""
-    rows = []
-    if path.exists():
-        with open(path, encoding="utf-8") as f:   # line by line: a regeneration cache can be GBs
-            for line in f:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-    return rows
+    eval records), in order, read line by line (a regeneration cache can be GBs); a line torn by a crash is
+    skipped. Nothing when the file does not exist."""
+    if not path.exists():
+        return
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """:func:`iter_jsonl` as a list ([] when the file does not exist)."""
+    return list(iter_jsonl(path))
+
+
+@contextmanager
+def appending(path: Path) -> Iterator[TextIO]:
+    """``path`` opened to append lines, a torn last line (a crash mid-write) sealed first: the first line
+    appended would otherwise join it, and both be skipped by :func:`iter_jsonl`. Never rewrites the file (others
+    may be reading it as it grows)."""
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb+") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+    with open(path, "a", encoding="utf-8") as f:
+        yield f
 
 
 def rewrite_jsonl(path: Path, rows: Iterable[dict]) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from data.captured import CaptureWriter
-from data.formats import prompt_key, read_jsonl, rewrite_jsonl
+from data.formats import iter_jsonl, prompt_key, rewrite_jsonl
 from data.template import conversation_ids, prompt_ids, with_system
 from eval.sampling import warp
 from train.errors import UserError
@@ -172,15 +172,15 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
 
 def _keep(kept: dict, jobs: list, out, layers: list[int] | None, last: list[int]) -> None:
     """Append the last ``last[j]`` positions' states of batch row j to ``kept[jobs[j]]`` (rows still kept), in
-    host memory: one copy per pass (the step already waits for its sampled tokens), and a row's slices would
-    otherwise hold the whole padded batch of every pass it took part in on the GPU until its last neighbour
-    finished (GBs at 8B beside the KV cache)."""
+    host memory: one copy per pass (the step already waits for its sampled tokens), each row's slice cloned: a view
+    would hold the whole padded batch of every pass the row took part in until its last neighbour finished (4-13
+    GB per rank at 8B, on the GPU or in host memory)."""
     if not layers:
         return
     states = torch.stack([out.hidden_states[i] for i in layers], 2).to("cpu")  # [B, T, n_layers, H]
     for j, job in enumerate(jobs):
         if kept[job] is not None:
-            kept[job].append(states[j, states.shape[1] - last[j]:])
+            kept[job].append(states[j, states.shape[1] - last[j]:].clone())
 
 
 def cache_file(directory: str, target_fp: str, rcfg, system_prompt: str | None, thinking: bool | None = None) -> Path:
@@ -195,7 +195,7 @@ def read_cache(path: Path, keys: set[str] | None = None) -> dict[str, dict]:
     """Complete lines of the cache (a torn last line from a crash is ignored); with ``keys``, only theirs (a
     rank's share: a million conversations are GBs of text, once per rank)."""
     done = {}
-    for row in read_jsonl(path):
+    for row in iter_jsonl(path):  # each rank keeps only its share's rows
         if keys is None or row["key"] in keys:
             row.setdefault("complete", True)
             done[row["key"]] = row

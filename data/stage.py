@@ -31,7 +31,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_file
 
-from data.engines import engine_client, regenerate_answers
+from data.engines import RegenError, engine_client, regenerate_answers
 from data.formats import (
     DataError,
     humaneval_path,
@@ -46,8 +46,9 @@ from data.regenerate import cache_file, read_cache
 from data.synth import Synthesizer
 from data.template import check_template, set_thinking, tokenize_conversation, with_system
 from data.vocab import coverage_curve
+from train import dist
 from train.log import log, progress
-from train.stages import files_id, stage_dir
+from train.stages import files_id, shares_work, stage_dir
 from train.target import load_config, load_tokenizer, target_fingerprint, tokenizer_fingerprint
 
 SPLITS = ("train", "validation")
@@ -55,13 +56,14 @@ POOL_MIN_ROWS = 2000  # data.num_proc null: fewer conversations than this are do
 _SHARED: dict = {}  # what the per-conversation work reads (set before the pool forks: not pickled per row)
 
 
-def worker_count(dcfg: DictConfig, n_rows: int) -> int:
-    """Processes for the per-conversation work (``data.num_proc``; null: one per CPU core of this rank's share of
-    the node, at most 32, once there are POOL_MIN_ROWS conversations: at 1M conversations one process renders the
-    templates for hours; 8 ranks that each read the sources do not fork 8 x 32 workers)."""
+def worker_count(dcfg: DictConfig, n_rows: int, side_by_side: bool = False) -> int:
+    """Processes for the per-conversation work (``data.num_proc``; null: one per CPU core, at most 32, once there
+    are POOL_MIN_ROWS conversations: at 1M conversations one process renders the templates for hours). Work the
+    node's ranks do ``side_by_side`` gets this rank's share of the cores: 8 ranks that each read the sources do not
+    fork 8 x 32 workers; work rank 0 does alone (the others wait) gets them all."""
     if dcfg.get("num_proc") is not None:
         return max(1, int(dcfg.num_proc))
-    cores = (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    cores = (os.cpu_count() or 1) // (dist.local_world_size() if side_by_side else 1)
     return 1 if n_rows < POOL_MIN_ROWS else max(1, min(32, cores))
 
 
@@ -185,7 +187,8 @@ def read_conversations(cfg: DictConfig, synth: Synthesizer) -> tuple[list[dict],
         convs.extend(read_source(source, dcfg.on_error, counts, synth=synth))
     eval_prompts = eval_prompt_set(cfg)
     kept = []
-    leaked = (list(pool_map(_leaks, convs, worker_count(dcfg, len(convs)), "eval overlap", eval_prompts=eval_prompts))
+    workers = worker_count(dcfg, len(convs), side_by_side=shares_work(cfg, "data"))
+    leaked = (list(pool_map(_leaks, convs, workers, "eval overlap", eval_prompts=eval_prompts))
               if eval_prompts else [False] * len(convs))
     for conv, leak in zip(convs, leaked, strict=True):
         if leak:
@@ -220,9 +223,13 @@ def run(cfg: DictConfig) -> dict:
                 return None
     if dcfg.regenerate:
         regen_stats["file"] = str(path)
-        cached = read_cache(path)
-        for conv in convs:
-            row = cached[prompt_key(with_system(conv["messages"], dcfg.system_prompt))]
+        keys = [prompt_key(with_system(conv["messages"], dcfg.system_prompt)) for conv in convs]
+        cached = read_cache(path, set(keys))  # the cache holds every run's answers of this target and setting
+        if missing := next((k for k in keys if k not in cached), None):
+            raise RegenError(f"the answer to conversation {missing} is missing from {path} (a torn line?); "
+                             "a rerun regenerates it")
+        for conv, key in zip(convs, keys, strict=True):
+            row = cached[key]
             conv["messages"] = row["messages"]
             counts["answers_truncated"] += int(row["truncated"])
             counts["conversations_cut_at_max_length"] += int("cut_at_length" in row)

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from filelock import FileLock
 
-from data.formats import DataError
+from data.formats import DataError, appending
 from data.regenerate import eos_ids, generate
 from data.template import user_turn_prefix
 from train import dist
@@ -320,11 +320,6 @@ def synthesize(writer: TargetWriter | ServerWriter, tokenizer, s: dict, path: Pa
 
 def _synthesize(writer: TargetWriter | ServerWriter, tokenizer, s: dict, path: Path, mine: Path, name: str,
                 rank: int, world: int) -> tuple[list[dict], dict]:
-    if mine.exists() and mine.stat().st_size:
-        with open(mine, "rb+") as f:   # other ranks may read this file as it grows: seal a torn line, never rewrite
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                f.write(b"\n")
     files = BatchFiles(path)
     batches = files.refresh()
     hints = s["hints"] or [{"category": "general", "hint": None}]
@@ -363,7 +358,7 @@ def _synthesize(writer: TargetWriter | ServerWriter, tokenizer, s: dict, path: P
     # A bar over the batches (replayed or generated): its steps are the heartbeat's progress, so ranks waiting on a
     # rank-0-only data stage (vllm/openai backends) see a long synth as busy, not hung (hang_minutes).
     bar = progress(total=last, desc="synth", unit="batch")
-    with open(mine, "a", encoding="utf-8") as f, bar:
+    with appending(mine) as f, bar:
         while len(kept) < s["n"] and b < last:
             if b not in batches:
                 ahead = [c for c in range(b, min(last, b + max(LOOKAHEAD, at_once) * world))

@@ -33,7 +33,7 @@ import torch
 import transformers
 from omegaconf import DictConfig, OmegaConf
 
-from data.formats import read_jsonl
+from data.formats import appending, read_jsonl
 from eval.decoder import DECODER_VERSION
 from train.stages import digest
 
@@ -133,7 +133,7 @@ class Baselines:
         if not rows:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
+        with appending(self.path) as f:
             f.write("".join(json.dumps(r) + "\n" for r in rows))
             f.flush()
             os.fsync(f.fileno())

@@ -410,8 +410,9 @@ def test_processes_tokenize_what_one_process_does(cfg_factory, tmp_path):
 
 
 def test_worker_count_shares_the_node_between_ranks(monkeypatch):
-    """data.num_proc null: one process below 2000 conversations, else the cores of this rank's share of the node
-    (8 ranks that each read the sources fork 8 x cores/8, not 8 x 32); an explicit value is used as given."""
+    """data.num_proc null: one process below 2000 conversations, else the node's cores, or this rank's share of
+    them for work the ranks do side by side (8 ranks that each read the sources fork 8 x cores/8, not 8 x 32: under
+    DeepSpeed's launcher too, which says LOCAL_SIZE); an explicit value is used as given."""
     from omegaconf import OmegaConf
 
     from data.stage import POOL_MIN_ROWS, worker_count
@@ -420,6 +421,9 @@ def test_worker_count_shares_the_node_between_ranks(monkeypatch):
     auto = OmegaConf.create({"num_proc": None})
     assert worker_count(auto, POOL_MIN_ROWS - 1) == 1
     assert worker_count(auto, POOL_MIN_ROWS) == 32
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert worker_count(auto, 10**6) == 8
+    monkeypatch.setenv("LOCAL_SIZE", "8")  # DeepSpeed's launcher (torchrun: LOCAL_WORLD_SIZE)
+    assert worker_count(auto, 10**6, side_by_side=True) == 8
+    assert worker_count(auto, 10**6) == 32  # rank 0 alone: the others wait
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert worker_count(auto, 10**6, side_by_side=True) == 16
     assert worker_count(OmegaConf.create({"num_proc": 3}), 10) == 3

@@ -632,6 +632,59 @@ def test_rank0_stops_when_a_rank_stops_beating_before_its_share_is_done(tmp_path
     assert len(read_cache(path.parent / f"{path.stem}.rank0of2.jsonl")) == 4   # rank 0's share, kept for the rerun
 
 
+def test_answers_appended_after_a_torn_line_are_kept(tmp_path):
+    """A cache whose last line a killed run tore (vllm/openai write lines of KBs): the part files of an interrupted
+    sharded run are folded in, and the first answer appended joined the torn line and was lost (the sharded merge
+    then stopped on a missing conversation after the whole regeneration). The torn line is sealed first."""
+    from data.engines import fold_parts
+    from data.regenerate import cache_line
+
+    rows = [{"key": f"k{i}", "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}],
+             "new_tokens": 1, "truncated": False, "complete": True} for i in range(3)]
+    path = tmp_path / "cache.jsonl"
+    path.write_text(cache_line(rows[0]) + cache_line(rows[1])[:20])
+    (tmp_path / "cache.rank0of2.jsonl").write_text(cache_line(rows[1]) + cache_line(rows[2]))
+    assert fold_parts(path) == 2
+    assert read_cache(path).keys() == {"k0", "k1", "k2"}
+
+
+def test_rank0_waiting_for_a_working_rank_shows_progress(tmp_path, monkeypatch):
+    """Ranks done with their share wait for the stage's marker watching rank 0's progress bars; rank 0, done with
+    its own and waiting for a slower rank, moved none, so after hang_minutes the waiting ranks stopped a run whose
+    slowest rank was still working (hours of regeneration at 800k conversations). While it waits, the slower ranks'
+    progress counts as its own."""
+    import threading
+
+    from data.engines import part_files, regenerate_sharded
+    from train.log import STEPS
+    from train.stages import ALIVE, stage_dir
+
+    cfg = make_cfg(RANKS[1:] + [f"output_root={tmp_path}", "hang_minutes=0.01"])  # 0.6 s
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    path = tmp_path / "cache.jsonl"
+    beat, seen = stage_dir(cfg, "data") / f"{ALIVE}.rank1", {}
+
+    def rank1() -> None:  # beats with moving bars for 1.5 s once rank 0 waits, then fails
+        beat.parent.mkdir(parents=True, exist_ok=True)
+        while not part_files(path, 0, 2)[1].exists():
+            beat.write_text(f"1 {time.monotonic()}")
+            time.sleep(0.01)
+        seen["waiting"] = STEPS[0]
+        for i in range(150):
+            beat.write_text(f"{i} {i}")
+            time.sleep(0.01)
+        seen["after"] = STEPS[0]
+        part_files(path, 1, 2)[2].write_text(json.dumps({"rank": 1, "error": "stopped by the test"}))
+
+    thread = threading.Thread(target=rank1)
+    thread.start()
+    with pytest.raises(RegenError, match="regeneration failed on rank 1: stopped by the test"):
+        regenerate_sharded(cfg, CONVS, load_tokenizer(cfg), path, poll_s=0.02, stale_s=30)
+    thread.join()
+    assert seen["after"] - seen["waiting"] >= 10  # ~50 polls while rank 1 moved
+
+
 @pytest.mark.slow
 def test_vllm_writes_synth_prompts_seeded_and_ended_by_the_template(vllm_env, tmp_path):
     """The synth source through a real vLLM server (data.regen.backend=vllm): started at the first batch, the prompts

@@ -22,7 +22,7 @@ from train.errors import UserError
 DEFAULT_TIMEOUT_MIN = 60
 # What a launcher (deepspeed, torchrun) sets, and :func:`init` sets for one process: a child process that
 # inherits them would try to join this process group (or bind its rendezvous port).
-LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # DeepSpeed's shared-memory all-reduce for CPU ranks (``ShareMemCommBuilder.NAME``): built at first use.
 SHM_OP = "deepspeed_shm_comm"
 
@@ -37,6 +37,11 @@ def rank() -> int:
 
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def local_world_size() -> int:
+    """Ranks on this machine: torchrun says ``LOCAL_WORLD_SIZE``, DeepSpeed's launcher ``LOCAL_SIZE`` (neither: all of them)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size())
 
 
 def is_main() -> bool:

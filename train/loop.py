@@ -398,7 +398,7 @@ def setup_process(cfg: DictConfig) -> tuple[torch.device, torch.dtype]:
     if tcfg.num_threads:
         torch.set_num_threads(tcfg.num_threads)
     elif dist.world_size() > 1:  # the node's cores shared by its ranks (GPU ranks build batches on them)
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size()))))
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // dist.local_world_size()))
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     return device, dtype

@@ -35,6 +35,7 @@ from data.captured import keeps_states
 from data.stage import validation_count
 from heads.eagle3 import TTTCache
 from heads.io import build_head, head_config
+from train import dist
 from train.errors import ConfigError, UserError
 from train.extract import capture_layers
 from train.log import log
@@ -325,7 +326,7 @@ def _free_memory(device: torch.device) -> int:
     """Free bytes for this process: the GPU's free memory, or the available RAM shared by this host's ranks."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    return psutil.virtual_memory().available // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return psutil.virtual_memory().available // dist.local_world_size()
 
 
 def _here(device: torch.device) -> bool:
