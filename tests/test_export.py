@@ -4,6 +4,7 @@ trip into our own heads, and the publish stage (dry run and its errors)."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,10 +18,12 @@ from tests.test_heads import HEAD_CFG, tiny_eagle3
 from train.export import (
     NORM_FLAGS,
     ExportError,
+    card_results,
     check_tensors,
     expected_tensors,
     full_vocab_rows,
     import_export,
+    serve_commands,
 )
 from train.publish import PublishError
 from train.stages import MARKER, fingerprint, run_stages, stage_dir
@@ -199,6 +202,54 @@ def test_publish_errors_before_sending(eagle_export, monkeypatch, change, error)
         run_stages(cfg)
 
 
+class FakeHub:
+    """huggingface_hub.HfApi with a repo that exists already (``remote``: its files, ``public``)."""
+    remote, public, commits = [], False, []
+
+    def __init__(self, token: str):
+        assert token == "hf_test"
+
+    def create_repo(self, repo_id, private, exist_ok, repo_type):
+        return f"https://huggingface.co/{repo_id}"
+
+    def repo_info(self, repo_id, repo_type):
+        return SimpleNamespace(private=not self.public)
+
+    def list_repo_files(self, repo_id, repo_type):
+        return self.remote
+
+    def create_commit(self, repo_id, operations, repo_type, commit_message):
+        self.commits.append(operations)
+
+
+@pytest.mark.parametrize("public", [False, True])
+def test_publish_into_an_existing_repo(eagle_export, monkeypatch, public):
+    """create_repo leaves an existing repo's visibility as it is: with publish.private=true (the default) a public
+    repo is refused before anything is sent (the head went public). Weights an earlier upload left (a sharded
+    upload's index makes vLLM load its shards instead of ours) are deleted in the same commit; other files stay."""
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+    cfg, _, _ = eagle_export
+    hub = type("Hub", (FakeHub,), {"public": public, "commits": [], "remote": [
+        ".gitattributes", "README.md", "model.safetensors", "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json", "pytorch_model.bin", "figures/curve.png"]})
+    monkeypatch.setattr("huggingface_hub.HfApi", hub)
+    cfg = OmegaConf.merge(cfg, {"stages": ["publish"], "publish": {"repo_id": "someone/x", "dry_run": False,
+                                                                   "token": "hf_test"}})
+    if public:
+        with pytest.raises(PublishError, match="someone/x exists and is public while publish.private=true"):
+            run_stages(cfg)
+        assert hub.commits == []
+        return
+    out = run_stages(cfg)["publish"]["outputs"]
+    [operations] = hub.commits
+    added = {op.path_in_repo for op in operations if isinstance(op, CommitOperationAdd)}
+    deleted = {op.path_in_repo for op in operations if isinstance(op, CommitOperationDelete)}
+    assert added == {"README.md", "config.json", "model.safetensors"}
+    assert deleted == set(out["deleted"]) == {"model-00001-of-00002.safetensors", "model.safetensors.index.json",
+                                              "pytorch_model.bin"}
+
+
 def test_publish_refuses_a_missing_export(cfg_factory):
     cfg = cfg_factory("model=tiny-llama", "stages=[publish]", "publish.repo_id=someone/x")
     with pytest.raises(FileNotFoundError, match="Stage 'export' has no complete output"):
@@ -253,12 +304,50 @@ def test_cards_leave_out_measurements_of_an_earlier_head(cfg_factory):
              "exports": {"vllm": {"folder": "/x/export/vllm", "k": 3, "vllm": {"tau": 2.31, "tokens_per_pass": 2.32}}}}
     cfg = export_with_report(cfg_factory, vllm_check=check)
     card = (stage_dir(cfg, "export") / "vllm" / "README.md").read_text()
-    assert "eagle3-tree" in card and "2.32 tokens with this head" in card
+    assert "eagle3-tree" in card and "2.32 tokens with this head" in card and "This export ran in vLLM" in card
     (stage_dir(cfg, "train") / MARKER).write_text(json.dumps({"stage": "train", "fingerprint": "retrained"}))
     run_stages(cfg)  # the train output changed: export reruns
     card = (stage_dir(cfg, "export") / "vllm" / "README.md").read_text()
     assert "No evaluation report was found" in card and "eagle3-tree" not in card
     assert "2.32 tokens with this head" not in card and "tau in vllm" not in card
+    assert "This export ran in vLLM" not in card and "This export itself has not been run in an engine" in card
+
+
+@pytest.mark.parametrize("thinking,flag", [(None, None), (False, "false"), (True, "true")])
+def test_serve_commands_render_the_template_as_trained(cfg_factory, thinking, flag):
+    """A Qwen3 head trained with data.thinking=false, served with the template's default (thinking on), drafts for
+    answers it never saw: vLLM's commands pass the setting."""
+    cfg = cfg_factory("model=tiny-qwen2", f"data.thinking={'null' if thinking is None else thinking}")
+    for fmt in ("vllm", "speculators"):
+        command = serve_commands(fmt, "someone/x", cfg)
+        wanted = f"--default-chat-template-kwargs '{{\"enable_thinking\": {flag}}}'"
+        assert command.count(wanted) == (0 if flag is None else command.count("vllm serve")) >= (flag is not None)
+
+
+def test_card_headline_is_this_heads_own_lossless_method():
+    """The model-index's headline figures came from the recommended method whatever it was (n-gram, when it won) or,
+    without one, from the fastest of every method (one with real mismatches too): they are this head's."""
+    def row(method, tau, speedup, mismatches=0):
+        return {"dataset": "builtin", "temperature": 0.0, "category": "all", "method": method, "tau": tau,
+                "speedup": speedup, "mismatches": mismatches}
+
+    results = [row("plain", 1.0, 1.0), row("ngram", 1.5, 1.4), row("eagle3-tree", 2.0, 1.5, mismatches=2),
+               row("eagle3+ngram-tree", 1.9, 1.3), row("eagle3-chain", 1.7, 1.2)]
+    for recommended in ("ngram", None):
+        recs = [{"dataset": "builtin", "temperature": 0.0, "category": "all", "method": recommended}] if recommended else []
+        out = card_results("vllm", {"results": results, "recommendations": recs}, None, "eagle3-chain")
+        assert {(m["metric"], m["value"]) for m in out} == {
+            ("acceptance_length", 1.9), ("speedup", 1.3), ("chain_acceptance_length", 1.7), ("chain_speedup", 1.2)}
+
+
+def test_export_removes_an_earlier_exports_other_formats(eagle_export):
+    """An earlier export's format folder that this export does not write (export.formats narrowed) described the
+    head before: publish.format and scripts/vllm_check.py took it under this head's card."""
+    cfg, _, _ = eagle_export
+    out = stage_dir(cfg, "export")
+    assert (out / "speculators").is_dir()
+    run_stages(OmegaConf.merge(cfg, {"export": {"formats": ["vllm"]}, "force": ["export"]}))
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["vllm"]
 
 
 def assert_portable(cfg, folder):

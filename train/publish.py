@@ -5,7 +5,8 @@ optimizer state. ``publish.dry_run=true`` lists exactly what would be sent and s
 missing token, a missing export, a malformed repo id or a local path in the card or config.json is an
 error before anything is sent. The uploaded model card is made again at publish time: it names
 ``publish.repo_id`` (the export's card names a placeholder when that was unset) and carries what is measured
-now (a scripts/vllm_check.py run after the export included).
+now (a scripts/vllm_check.py run after the export included). Into an existing repo: refused when it is public and
+``publish.private`` is true; weight files of an earlier upload are deleted in the same commit.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from train.stages import fingerprint, require, stage_dir
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
 # What an export folder may contain; anything else is refused rather than uploaded.
 ALLOWED = {"config.json", "model.safetensors", "README.md", "generation_config.json"}
+# Files of the repo an engine loads as weights: those an earlier upload left are deleted with the upload.
+WEIGHTS = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
 
 
 class PublishError(UserError, ValueError):
@@ -91,14 +94,23 @@ def run(cfg: DictConfig) -> dict:
     token = resolve_token(pcfg)
     if not token:
         raise PublishError("no Hugging Face token: set HF_TOKEN, publish.token, or run `huggingface-cli login`")
-    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
     api = HfApi(token=token)
     url = api.create_repo(pcfg.repo_id, private=pcfg.private, exist_ok=True, repo_type="model")
-    operations = [CommitOperationAdd(path_in_repo=str(p.relative_to(folder)),
+    # create_repo leaves an existing repo's visibility as it is: a public one would take the head publicly.
+    if pcfg.private and not api.repo_info(pcfg.repo_id, repo_type="model").private:
+        raise PublishError(f"{pcfg.repo_id} exists and is public while publish.private=true; nothing was sent. Make "
+                           "it private on the Hub (its Settings), or publish there with publish.private=false")
+    sent = [str(p.relative_to(folder)) for p in files]
+    stale = [f for f in api.list_repo_files(pcfg.repo_id, repo_type="model") if f not in sent and f.endswith(WEIGHTS)]
+    if stale:
+        log(f"[publish] deleting {stale} from {pcfg.repo_id} in the same commit: weights of an earlier upload, which "
+            "engines would load beside these (or instead: vLLM follows an index file)")
+    operations = [CommitOperationAdd(path_in_repo=path,
                                      path_or_fileobj=card.encode() if p.name == "README.md" and card is not None else str(p))
-                  for p in files]
+                  for path, p in zip(sent, files, strict=True)] + [CommitOperationDelete(path_in_repo=f) for f in stale]
     api.create_commit(repo_id=pcfg.repo_id, operations=operations, repo_type="model",
                       commit_message=f"Upload {cfg.head.type} draft head ({fmt} format)")
     log(f"[publish] uploaded {len(listing)} files to {url}")
-    return {"dry_run": False, "repo_id": pcfg.repo_id, "url": str(url), "files": listing}
+    return {"dry_run": False, "repo_id": pcfg.repo_id, "url": str(url), "files": listing, "deleted": stale}
