@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -28,6 +29,9 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from train import dist
+from train.log import log
 
 
 def keeps_states(cfg) -> bool:
@@ -40,22 +44,34 @@ def keeps_states(cfg) -> bool:
 
 
 class CaptureWriter:
-    """Appends captured conversations to ``directory`` (see the module docstring)."""
+    """Appends captured conversations to ``directory`` (see the module docstring), while the disk has room for them
+    and for the extract stage's copy of them (28.7 KB per token at 7B: TBs for a ShareGPT-sized set); then it keeps
+    no more, and the extract stage computes the other rows."""
 
-    def __init__(self, directory: Path, layers: list[int], dtype: str, target: str):
+    def __init__(self, directory: Path, layers: list[int], dtype: str, target: str, keep_free: int = 2**30):
         self.dir = Path(directory)
         self.meta = {"layers": json.dumps(layers), "dtype": dtype, "target": target}
-        self.layers, self.dtype = layers, getattr(torch, dtype)
-        self.rows = self.tokens = 0
+        self.layers, self.dtype, self.keep_free = layers, getattr(torch, dtype), keep_free
+        self.rows = self.tokens = self.bytes = 0
+        self.full = False
 
     def write(self, keys: list[str], ids: list[list[int]], hidden: list[torch.Tensor], argmax: list[torch.Tensor]) -> None:
         """One file with the rows ``keys``: token ids, states [len(ids), n_layers, H] and argmax per row."""
-        if not keys:
+        if not keys or self.full:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
+        lengths = [len(i) for i in ids]
+        nbytes = sum(h.numel() for h in hidden) * self.dtype.itemsize + 12 * sum(lengths)
+        free = shutil.disk_usage(self.dir).free
+        kept = (self.bytes + nbytes) * dist.world_size()  # every rank keeps its share here
+        if free - nbytes < kept + self.keep_free:  # and the extract stage copies them all into its shards
+            self.full = True
+            log(f"[data] keeping no more hidden states: {free / 2**30:.1f} GiB free in {self.dir}, and the extract "
+                f"stage copies the ~{kept / 2**30:.1f} GiB kept into its shards; it computes the other rows "
+                "(extract.source=pass keeps none)")
+            return
         name = f"part-{time.time_ns()}-{os.getpid()}.safetensors"
         tmp = self.dir / f".{name}.tmp"
-        lengths = [len(i) for i in ids]
         save_file({"hidden": torch.cat([h.to("cpu", self.dtype) for h in hidden]).contiguous(),
                    "argmax": torch.cat([a.to("cpu", torch.int32) for a in argmax]).contiguous(),
                    "ids": torch.tensor([t for i in ids for t in i], dtype=torch.int32),
@@ -64,6 +80,7 @@ class CaptureWriter:
         os.replace(tmp, self.dir / name)
         self.rows += len(keys)
         self.tokens += sum(lengths)
+        self.bytes += nbytes
 
 
 class OpenShards:

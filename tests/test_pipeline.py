@@ -320,7 +320,9 @@ def test_train_on_a_token_budget_of_the_data(prepared, tmp_path):
 
 
 def test_wandb_offline_run_has_the_logged_keys(prepared, tmp_path):
-    cfg = fresh_run(prepared, tmp_path, "stages=[train]", "tracking=wandb", "train.max_steps=2")
+    """The run's metrics and config reach W&B (offline), a Hub token set in the config (publish.token) redacted."""
+    cfg = fresh_run(prepared, tmp_path, "stages=[train]", "tracking=wandb", "train.max_steps=2",
+                    "publish.token=hf_secret_in_config")
     run_stages(cfg)
     from train.tracking import finish
 
@@ -335,6 +337,8 @@ def test_wandb_offline_run_has_the_logged_keys(prepared, tmp_path):
         time.sleep(0.5)
     for key in (b"train/loss", b"train/acc_0", b"train/sim_tau", b"val/sim_tau", b"tokens_per_s", b"lr"):
         assert key in blob, key
+    sent = b"".join(p.read_bytes() for p in runs[0].rglob("*") if p.is_file())
+    assert b"<redacted>" in sent and b"hf_secret_in_config" not in sent
 
 
 @pytest.mark.slow

@@ -223,6 +223,10 @@ def run(cfg: DictConfig) -> dict:
     if dist.is_main():  # partial files of a killed run (safetensors itself writes through a `.tmpXXXXXX`)
         for partial in out.glob(".*tmp*"):
             partial.unlink()
+        kept = stage_dir(cfg, "data") / "captured"
+        if kept.is_dir() and not keeps_states(cfg):  # extract.source changed to pass since: nothing reads them
+            log(f"[extract] deleting the hidden states kept while regenerating ({kept}): extract.source=pass")
+            shutil.rmtree(kept, ignore_errors=True)
     dist.barrier()
     tokenizer = load_tokenizer(cfg)
     data_manifest = check_data(cfg, tokenizer)

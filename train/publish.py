@@ -92,6 +92,9 @@ def run(cfg: DictConfig) -> dict:
     if pcfg.dry_run:
         return {"dry_run": True, "repo_id": pcfg.repo_id, "private": pcfg.private, "files": listing, "card": card}
     token = resolve_token(pcfg)
+    if pcfg.token:
+        log("[publish] publish.token is kept in this run's .hydra/ files (not sent to the tracker): prefer HF_TOKEN "
+            "or `hf auth login`")
     if not token:
         raise PublishError("no Hugging Face token: set HF_TOKEN, publish.token, or run `huggingface-cli login`")
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi

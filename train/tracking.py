@@ -34,7 +34,7 @@ class Tracker:
         os.environ.setdefault("WANDB_SILENT", "true")
         self.run = wandb.run or wandb.init(
             project=tcfg.project, entity=tcfg.entity, name=tcfg.name, mode=tcfg.mode, dir=str(cfg.run_dir),
-            config=OmegaConf.to_container(cfg, resolve=True), tags=[stage],
+            config=shareable(cfg), tags=[stage],
         )
 
     def log(self, metrics: dict, step: int | None = None) -> None:
@@ -58,3 +58,11 @@ def finish() -> None:
 
         if wandb.run is not None:
             wandb.finish()
+
+
+def shareable(cfg: DictConfig) -> dict:
+    """The resolved config without secrets (``publish.token``), for a tracker that sends it off this machine."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    if (config.get("publish") or {}).get("token"):
+        config["publish"]["token"] = "<redacted>"
+    return config
