@@ -190,14 +190,24 @@ def read_conversations(cfg: DictConfig, synth: Synthesizer) -> tuple[list[dict],
     workers = worker_count(dcfg, len(convs), side_by_side=shares_work(cfg, "data"))
     leaked = (list(pool_map(_leaks, convs, workers, "eval overlap", eval_prompts=eval_prompts))
               if eval_prompts else [False] * len(convs))
+    prompts = set()
     for conv, leak in zip(convs, leaked, strict=True):
         if leak:
             counts["dropped_eval_overlap"] += 1
             continue
+        if dcfg.regenerate:  # one answer per prompt: a repeated prompt is a copy of a row (in either split)
+            key = prompt_key(with_system(conv["messages"], dcfg.system_prompt))
+            if key in prompts:
+                counts["dropped_duplicate_prompts"] += 1
+                continue
+            prompts.add(key)
         kept.append(conv)
     assign_splits(kept, dcfg.validation_fraction, cfg.seed, dcfg.validation_max_rows)  # after the drops: held-out rows are kept
     if counts["dropped_eval_overlap"]:
         log(f"[data] dropped {counts['dropped_eval_overlap']} conversations overlapping evaluation prompts")
+    if counts["dropped_duplicate_prompts"]:
+        log(f"[data] dropped {counts['dropped_duplicate_prompts']} conversations repeating an earlier one's prompts "
+            "(regenerated, they would be copies of its row)")
     convs = sample_train_rows(kept, dcfg.get("train_rows"), cfg.seed)  # before regeneration: only these are answered
     return convs, counts, len(kept) - len(convs)
 

@@ -294,8 +294,8 @@ def _sibling_runs(tmp_path, monkeypatch) -> tuple[list[str], list[int]]:
     run_stages(make_cfg([*args, "head=eagle3", "head.draft_vocab_size=96"]))
     import train.extract as extract
 
-    loads, real = [], extract._load_model
-    monkeypatch.setattr(extract, "_load_model", lambda *a: loads.append(1) or real(*a))
+    loads, real = [], extract._loaded_target
+    monkeypatch.setattr(extract, "_loaded_target", lambda *a: loads.append(1) or real(*a))
     return [*args, "head=medusa"], loads
 
 
