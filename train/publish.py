@@ -18,7 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from train.errors import UserError
-from train.export import FORMATS, current_card, portable
+from train.export import FORMATS, current_card, portable, vllm_method_word
 from train.log import log
 from train.stages import fingerprint, require, stage_dir
 
@@ -68,6 +68,9 @@ def run(cfg: DictConfig) -> dict:
     pcfg = cfg.publish
     if not pcfg.repo_id or not REPO_ID.match(str(pcfg.repo_id)):
         raise PublishError(f"publish.repo_id must look like 'user/name', got {pcfg.repo_id!r}")
+    if cfg.head.type == "medusa" and (word := vllm_method_word(pcfg.repo_id)):
+        raise PublishError(f"publish.repo_id {pcfg.repo_id!r} contains {word!r}: vLLM would load this Medusa head "
+                           "as another method and fail; choose a name without it")
     fmt = pcfg.format or FORMATS[cfg.head.type][0]
     if fmt not in FORMATS[cfg.head.type]:
         raise PublishError(f"publish.format {fmt!r} is not an export of a {cfg.head.type} head ({FORMATS[cfg.head.type]})")
