@@ -498,6 +498,34 @@ def test_publish_refuses_a_medusa_repo_vllm_takes_for_another_method(medusa_expo
         run_stages(cfg)
 
 
+def test_a_llama_targets_export_carries_its_license_terms(cfg_factory, tmp_path):
+    """The Llama 3.1 license asks a redistribution for a copy of the agreement, "Built with Llama", and "Llama" first
+    in the name of a model Llama's outputs trained: each export folder gets the target's LICENSE and USE_POLICY.md,
+    the card both lines, and publish sends them."""
+    import shutil
+
+    from train.target import target_path
+
+    local = tmp_path / "llama-target"
+    shutil.copytree(target_path(cfg_factory("model=tiny-llama")), local)
+    (local / "LICENSE").write_text("LLAMA 3.1 COMMUNITY LICENSE AGREEMENT ...")
+    (local / "USE_POLICY.md").write_text("Llama 3.1 Acceptable Use Policy ...")
+    cfg = cfg_factory("model=tiny-llama", "model.source=hf", f"model.path={local}", "stages=[export]",
+                      "model.hub_id=meta-llama/Llama-3.1-8B-Instruct")
+    head = tiny_eagle3(load_target(cfg), dv=64)
+    fake_trained(cfg, head)
+    run_stages(cfg)
+    for fmt in ("vllm", "speculators", "sglang"):
+        folder = stage_dir(cfg, "export") / fmt
+        assert (folder / "LICENSE").read_text().startswith("LLAMA 3.1") and (folder / "USE_POLICY.md").exists()
+        card = (folder / "README.md").read_text()
+        assert "Built with Llama" in card and "model_name: Llama-" in card and "license: llama3.1" in card
+    publish = OmegaConf.merge(cfg, {"stages": ["publish"], "publish": {"repo_id": "me/Llama-3.1-8B-eagle3",
+                                                                       "dry_run": True}})
+    sent = [f["path"] for f in run_stages(publish)["publish"]["outputs"]["files"]]
+    assert sorted(sent) == ["LICENSE", "README.md", "USE_POLICY.md", "config.json", "model.safetensors"]
+
+
 def test_medusa_card_is_portable(medusa_export):
     import yaml
 

@@ -30,7 +30,7 @@ from heads.frozen import TargetWeights
 from train.errors import UserError
 from train.log import log
 from train.stages import current_marker, read_marker, require, stage_dir, upstream_ids
-from train.target import load_weights
+from train.target import load_weights, target_files
 
 FORMATS = {"eagle3": ["vllm", "speculators", "sglang"], "medusa": ["medusa"]}
 # Words vLLM 0.32 takes, anywhere in a draft's path or repo id, as the method (config/speculative.py), whatever
@@ -186,6 +186,9 @@ def build(fmt: str, head, target: TargetWeights, cfg: DictConfig, dtype: torch.d
     return tensors, config
 
 
+# Files of the target's repo its license asks a redistribution to carry (Llama 3.1: the agreement and the use
+# policy); each export folder gets those the target has.
+LICENSE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "USE_POLICY.md")
 # Licenses of the presets' targets (a draft head trained on a target's outputs ships under its terms).
 TARGET_LICENSES = {"HuggingFaceTB/SmolLM2-135M-Instruct": "apache-2.0", "Qwen/Qwen2.5-7B-Instruct": "apache-2.0",
                    "Qwen/Qwen3-8B": "apache-2.0", "meta-llama/Llama-3.1-8B-Instruct": "llama3.1"}
@@ -361,7 +364,8 @@ def model_card(fmt: str, cfg: DictConfig, c: Eagle3Config | MedusaConfig, report
     if fmt == "sglang":
         tags.append("sglang")
     results = card_results(fmt, report, vllm_check, f"{head_tag}-chain")
-    model_name = f"{cfg.model.name}-{head_tag}-{fmt}"
+    llama = card_license(cfg) == "llama3.1"  # its license: "Llama" first in the name of a model its outputs trained
+    model_name = f"{'Llama-' if llama else ''}{cfg.model.name}-{head_tag}-{fmt}"
     data = ModelCardData(
         base_model=str(cfg.model.hub_id) if cfg.model.hub_id else None,
         # Who loads these files: the engines, not transformers (no AutoModel class for a draft head).
@@ -386,6 +390,11 @@ def model_card(fmt: str, cfg: DictConfig, c: Eagle3Config | MedusaConfig, report
                      f"in this file's convention: {_ids_in_file(fmt, c)}")
     if not card_license(cfg):
         lines.append("- license: unknown for this target; set `export.license` (a Hub license key) before publishing")
+    if llama:
+        lines += ["", "**Built with Llama.** Llama 3.1 is licensed under the Llama 3.1 Community License, Copyright "
+                  "(c) Meta Platforms, Inc. All Rights Reserved (the `LICENSE` and `USE_POLICY.md` files here, when "
+                  "the target's repo was at hand at export; else see the target's repo). Name a published copy "
+                  "starting with \"Llama\"."]
     lines += ["", "## Training", "", "```yaml", OmegaConf.to_yaml(cfg.head).strip(), OmegaConf.to_yaml(cfg.train).strip(),
               "```"]
     if train_summary:
@@ -516,6 +525,8 @@ def run(cfg: DictConfig) -> dict:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "README.md").write_text(model_card(fmt, cfg, head.config, report, summary, vllm_check))
+        for terms in target_files(cfg, LICENSE_FILES):
+            shutil.copyfile(terms, tmp / terms.name)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         written[fmt] = str(final)

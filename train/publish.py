@@ -18,13 +18,13 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from train.errors import UserError
-from train.export import FORMATS, current_card, portable, vllm_method_word
+from train.export import FORMATS, LICENSE_FILES, card_license, current_card, portable, vllm_method_word
 from train.log import log
 from train.stages import fingerprint, require, stage_dir
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
 # What an export folder may contain; anything else is refused rather than uploaded.
-ALLOWED = {"config.json", "model.safetensors", "README.md", "generation_config.json"}
+ALLOWED = {"config.json", "model.safetensors", "README.md", "generation_config.json", *LICENSE_FILES}
 # Files of the repo an engine loads as weights: those an earlier upload left are deleted with the upload.
 WEIGHTS = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
 
@@ -71,6 +71,9 @@ def run(cfg: DictConfig) -> dict:
     if cfg.head.type == "medusa" and (word := vllm_method_word(pcfg.repo_id)):
         raise PublishError(f"publish.repo_id {pcfg.repo_id!r} contains {word!r}: vLLM would load this Medusa head "
                            "as another method and fail; choose a name without it")
+    if card_license(cfg) == "llama3.1" and not str(pcfg.repo_id).split("/")[1].lower().startswith("llama"):
+        log(f"[publish] warning: the Llama 3.1 license asks that a model trained on Llama's outputs be named starting "
+            f"with \"Llama\" ({pcfg.repo_id})")
     fmt = pcfg.format or FORMATS[cfg.head.type][0]
     if fmt not in FORMATS[cfg.head.type]:
         raise PublishError(f"publish.format {fmt!r} is not an export of a {cfg.head.type} head ({FORMATS[cfg.head.type]})")

@@ -262,6 +262,24 @@ def load_target(cfg: DictConfig, device: torch.device | None = None, dtype: torc
     return model
 
 
+def target_files(cfg: DictConfig, names: tuple[str, ...]) -> list[Path]:
+    """Those of the files ``names`` the target's repo or directory has (fetched with a network, else from the local
+    Hugging Face cache; a tiny or GGUF-built target has none)."""
+    from transformers.utils import cached_file
+
+    found = []
+    for name in names:
+        try:
+            path = cached_file(target_path(cfg), name, revision=cfg.model.revision, local_files_only=_offline(),
+                               _raise_exceptions_for_missing_entries=False,
+                               _raise_exceptions_for_connection_errors=False)
+        except OSError:  # offline and not cached, a gated repo without a token
+            path = None
+        if path:
+            found.append(Path(path))
+    return found
+
+
 class _Checkpoint:
     """Named tensors of the target's safetensors files, read one at a time (no model is built): the
     architecture's parameter names come from a meta-device skeleton."""
