@@ -33,6 +33,7 @@ from data.captured import CaptureWriter
 from data.formats import iter_jsonl, prompt_key, rewrite_jsonl
 from data.template import conversation_ids, prompt_ids, with_system
 from eval.sampling import warp
+from train import dist
 from train.errors import UserError
 from train.kvcache import join, joinable, kv_cache
 from train.log import log, progress
@@ -271,7 +272,8 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
     if not state:
         return stats
     eos = eos_ids(tokenizer, model.generation_config)
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(rcfg.seed)
+    # Each rank its own stream (sampled answers: row k of every rank's batch drew the same numbers).
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(rcfg.seed + 7919 * dist.rank())
     lm_head = model.get_output_embeddings().weight if capture else None
     total_turns = sum(len(r["users"]) - _answered(r) for r in state.values())
     refill = max(1, round(rcfg.refill * rcfg.batch_size))

@@ -242,6 +242,24 @@ def test_regeneration_resumes_after_a_crash(tiny_llama_cfg, tmp_path):
     assert read_cache(crashed) == reference
 
 
+def test_sampled_regeneration_draws_a_stream_per_rank(tiny_llama_cfg, tmp_path, monkeypatch):
+    """At temperature > 0 every rank seeded its sampler alike: row k of each rank's batch drew the same numbers.
+    Rank 0 samples as one process does; another rank, the same conversations otherwise."""
+    model, tok = load_target(tiny_llama_cfg), load_tokenizer(tiny_llama_cfg)
+    rcfg = tiny_llama_cfg.data.regen.copy()
+    rcfg.max_new_tokens, rcfg.batch_size, rcfg.temperature, rcfg.top_p = 12, 4, 1.0, 1.0
+    convs = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(4)]
+    answers = {}
+    for rank in ("0", "1", None):
+        if rank is None:
+            monkeypatch.delenv("RANK")
+        else:
+            monkeypatch.setenv("RANK", rank)
+        regenerate(convs, model, tok, rcfg, None, tmp_path / f"{rank}.jsonl")
+        answers[rank] = {k: r["messages"] for k, r in read_cache(tmp_path / f"{rank}.jsonl").items()}
+    assert answers["0"] == answers[None] and answers["1"] != answers["0"]
+
+
 def test_out_of_memory_while_regenerating_names_the_fix_and_keeps_the_answers(tiny_llama_cfg, tmp_path, monkeypatch):
     """Out of device memory mid-run: one error naming data.regen.batch_size, the answers finished before it
     written to the cache (here three first turns, fewer than a batch: written only because of the error),
