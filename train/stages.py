@@ -95,12 +95,18 @@ def stage_dir(cfg: DictConfig, name: str) -> Path:
     return Path(cfg.run_dir) / name
 
 
+UPSTREAM = {"extract": ["data"], "train": ["data", "extract"], "eval": ["train"], "export": ["train", "eval"],
+            "publish": ["export"]}
+
+
+def skipped(cfg: DictConfig) -> set[str]:
+    """Stages this config never runs, whatever ``stages`` lists: extract under ``train.online`` (nothing reads its
+    shards: a 7-8B pass and ~3 TB per 100M tokens)."""
+    return {"extract"} if cfg.train.online else set()
+
+
 def upstream(cfg: DictConfig, name: str) -> list[str]:
-    if name == "train":
-        return ["data"] if cfg.train.online else ["data", "extract"]
-    return {"extract": ["data"], "eval": ["train"], "export": ["train", "eval"], "publish": ["export"]}.get(
-        name, []
-    )
+    return [u for u in UPSTREAM.get(name, []) if u not in skipped(cfg)]
 
 
 def read_marker(cfg: DictConfig, name: str) -> dict | None:
@@ -209,8 +215,8 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
         raise ValueError(f"Unknown stage(s) {unknown}; valid stages, in order: {ORDER}")
     results = {}
     for name in [s for s in ORDER if s in cfg.stages]:
-        if name == "extract" and cfg.train.online:  # nothing reads its shards: a 7-8B pass and ~3 TB per 100M tokens
-            log("[extract] skipped: train.online=true computes the hidden states during training")
+        if name in skipped(cfg):
+            log(f"[{name}] skipped: train.online=true computes the hidden states during training")
             continue
         # Rank 0 decides for all: ranks that disagreed (a run directory on NFS with stale attributes) would pair
         # the barriers of different stages, or wait for a marker of another fingerprint.
