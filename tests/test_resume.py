@@ -7,6 +7,7 @@ regeneration survives a real SIGKILL."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import sys
 import time
@@ -249,6 +250,23 @@ def test_a_save_cut_short_by_a_crash_never_outranks_the_checkpoint_latest_names(
     run_stages(make_cfg([*BASE, f"output_root={tmp_path}", *base, "train.max_steps=6"]))
     assert (ckpt / "latest").read_text() == "step0000006" and (ckpt / "step0000006" / "client.json").exists()
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step0000006"]
+
+
+def test_a_best_head_saved_after_the_last_checkpoint_stays_the_best(prepared, tmp_path):
+    """A crash after head/ took a new best (step 4) and before the next checkpoint: the resumed run restored the
+    checkpoint's best score (step 2's), so any later validation above that replaced the better head."""
+    base = ["stages=[train]", "train.eval_every=2", "train.checkpoint_every=2", "train.keep_checkpoints=5",
+            "train.max_steps=4"]
+    cfg = fresh_run(prepared, tmp_path, *base)
+    run_stages(cfg)
+    out = stage_dir(cfg, "train")
+    shutil.rmtree(out / "checkpoints" / "step0000004")
+    (out / "checkpoints" / "latest").write_text("step0000002")
+    (out / stages.MARKER).unlink()
+    saved = json.loads((out / "head" / "metrics.json").read_text())
+    (out / "head" / "metrics.json").write_text(json.dumps({**saved, "step": 4, "sim_tau": 9.0}))
+    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", *base]))
+    assert json.loads((out / "head" / "metrics.json").read_text())["sim_tau"] == 9.0
 
 
 def test_a_rank_restores_its_own_gpus_generator_whatever_the_devices_visible(monkeypatch):

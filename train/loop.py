@@ -581,6 +581,14 @@ class Trainer:
             torch._foreach_copy_(self.average.shadow, [t.to(self.device) for t in client["average"]])
         if changed:
             log(f"[train] resuming with changed {', '.join(changed)}")
+        # A best head saved after this checkpoint (then a crash): its score stands, or a later, worse head replaces it.
+        # Rank 0's reading for all: ranks disagreeing on the best would disagree on early stopping (a hang).
+        saved = self.out / "head" / "metrics.json"
+        newer = dist.broadcast(json.loads(saved.read_text()) if dist.is_main() and saved.exists() else None)
+        if newer and newer["step"] > state["step"] and newer["sim_tau"] > state["best"]:
+            state["best"] = newer["sim_tau"]
+            log(f"[train] head/ holds a better head saved at step {newer['step']}, after this checkpoint (sim_tau "
+                f"{newer['sim_tau']:.3f}): kept unless beaten")
         if any(k in changed for k in ("train.val_tokens", "train.val_steps")):
             # other rows or another number of draft steps: a score on another scale. Against the old best, a
             # lower val_steps would never improve (head/ kept as it was, early stop after patience validations)
