@@ -508,8 +508,7 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
                 bar.update(1)
 
     errors = []
-    with open(path, "a", encoding="utf-8") as f, \
-            futures.ThreadPoolExecutor(max_workers=client.concurrency) as pool:
+    with appending(path) as f, futures.ThreadPoolExecutor(max_workers=client.concurrency) as pool:
         jobs = [pool.submit(converse, row, f) for row in state.values()]
         try:
             for job in futures.as_completed(jobs):

@@ -314,10 +314,12 @@ def appending(path: Path) -> Iterator[TextIO]:
     appended would otherwise join it, and both be skipped by :func:`iter_jsonl`. Never rewrites the file (others
     may be reading it as it grows)."""
     if path.exists() and path.stat().st_size:
-        with open(path, "rb+") as f:
+        with open(path, "rb") as f:
             f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                f.write(b"\n")
+            torn = f.read(1) != b"\n"
+        if torn:
+            with open(path, "ab") as f:  # at the end whatever was appended since (another process's line): a blank
+                f.write(b"\n")          # line then, which readers skip, never a byte written over
     with open(path, "a", encoding="utf-8") as f:
         yield f
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from data.captured import CaptureWriter
-from data.formats import iter_jsonl, prompt_key, rewrite_jsonl
+from data.formats import appending, iter_jsonl, prompt_key, rewrite_jsonl
 from data.template import conversation_ids, prompt_ids, with_system
 from eval.sampling import warp
 from train import dist
@@ -92,7 +92,9 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
     With ``max_length`` an answer gets at most :func:`answer_room` tokens (the data stage keeps no more).
     """
     device = next(model.parameters()).device
-    run = partial(model, use_cache=True, logits_to_keep=1, output_hidden_states=layers or None)
+    def run(*args, **kwargs):  # ``layers`` read at each pass: the caller may empty it (no states wanted any more)
+        return model(*args, use_cache=True, logits_to_keep=1, output_hidden_states=layers or None, **kwargs)
+
     jobs: list[Hashable] = []  # the job of each batch row
     cache = mask = positions = logits = None
     room = max_new_tokens + 16  # KV positions past the prompts: the answer + the template's tail
@@ -288,12 +290,16 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
     fulls: dict[str, list[int]] = {}  # key -> the rendered conversation's ids (captured rows)
     captured: list[tuple[str, Answer]] = []
 
+    layers = list(capture.layers) if capture else []  # emptied once the disk is short: no states computed after
+
     def flush() -> None:
         _flush(f, lines, capture, captured, fulls, lm_head)
+        if capture is not None and capture.full:
+            layers.clear()
 
-    with open(path, "a", encoding="utf-8") as f, _on_out_of_memory(rcfg.batch_size, path, flush):
+    with appending(path) as f, _on_out_of_memory(rcfg.batch_size, path, flush):
         for finished in stream(model, queue, rcfg.batch_size, refill, rcfg.max_new_tokens, eos, tokenizer.pad_token_id,
-                               rcfg.temperature, rcfg.top_p, generator, capture.layers if capture else None,
+                               rcfg.temperature, rcfg.top_p, generator, layers,
                                partial(_template_tail, tokenizer, state, prompts, fulls), max_length):
             for key, a in finished:
                 r = state[key]
@@ -345,8 +351,10 @@ def _flush(f, lines: list[str], capture: CaptureWriter | None, captured: list[tu
            fulls: dict[str, list[int]], lm_head: torch.Tensor | None) -> None:
     """Write the finished answers gathered so far: their states first, then their cache lines (fsync'd)."""
     if capture and captured:
-        capture.write([key for key, _ in captured], [fulls.pop(key) for key, _ in captured],
-                      [a.states for _, a in captured], [full_argmax(a.states[:, -1], lm_head) for _, a in captured])
+        ids = [fulls.pop(key) for key, _ in captured]
+        if not capture.full:  # a disk short of room keeps no more (CaptureWriter)
+            capture.write([key for key, _ in captured], ids, [a.states for _, a in captured],
+                          [full_argmax(a.states[:, -1], lm_head) for _, a in captured])
     f.writelines(lines)
     f.flush()
     os.fsync(f.fileno())

@@ -247,7 +247,7 @@ def test_publish_into_an_existing_repo(eagle_export, monkeypatch, public):
     cfg, _, _ = eagle_export
     hub = type("Hub", (FakeHub,), {"public": public, "commits": [], "remote": [
         ".gitattributes", "README.md", "model.safetensors", "model-00001-of-00002.safetensors",
-        "model.safetensors.index.json", "pytorch_model.bin", "figures/curve.png"]})
+        "model.safetensors.index.json", "pytorch_model.bin", "figures/curve.png", "extras/adapter.safetensors"]})
     monkeypatch.setattr("huggingface_hub.HfApi", hub)
     cfg = OmegaConf.merge(cfg, {"stages": ["publish"], "publish": {"repo_id": "someone/x", "dry_run": False,
                                                                    "token": "hf_test"}})
@@ -335,8 +335,11 @@ def test_serve_commands_render_the_template_as_trained(cfg_factory, thinking, fl
     cfg = cfg_factory("model=tiny-qwen2", f"data.thinking={'null' if thinking is None else thinking}")
     for fmt in ("vllm", "speculators"):
         command = serve_commands(fmt, "someone/x", cfg)
-        wanted = f"--default-chat-template-kwargs '{{\"enable_thinking\": {flag}}}'"
-        assert command.count(wanted) == (0 if flag is None else command.count("vllm serve")) >= (flag is not None)
+        if flag is None:
+            assert "--default-chat-template-kwargs" not in command
+        else:
+            wanted = f"--default-chat-template-kwargs '{{\"enable_thinking\": {flag}}}'"
+            assert command.count(wanted) == command.count("vllm serve") > 0
 
 
 def test_card_headline_is_this_heads_own_lossless_method():
@@ -519,7 +522,8 @@ def test_a_llama_targets_export_carries_its_license_terms(cfg_factory, tmp_path)
         folder = stage_dir(cfg, "export") / fmt
         assert (folder / "LICENSE").read_text().startswith("LLAMA 3.1") and (folder / "USE_POLICY.md").exists()
         card = (folder / "README.md").read_text()
-        assert "Built with Llama" in card and "model_name: Llama-" in card and "license: llama3.1" in card
+        assert "Built with Llama" in card and "license: llama3.1" in card
+        assert f"model_name: Llama-{cfg.model.name}-eagle3-{fmt}" in card  # "Llama" first: the preset, Llama3.1-8b-...
     publish = OmegaConf.merge(cfg, {"stages": ["publish"], "publish": {"repo_id": "me/Llama-3.1-8B-eagle3",
                                                                        "dry_run": True}})
     sent = [f["path"] for f in run_stages(publish)["publish"]["outputs"]["files"]]

@@ -667,7 +667,8 @@ def test_rank0_waiting_for_a_working_rank_shows_progress(tmp_path, monkeypatch):
 
     def rank1() -> None:  # beats with moving bars for 1.5 s once rank 0 waits, then fails
         beat.parent.mkdir(parents=True, exist_ok=True)
-        while not part_files(path, 0, 2)[1].exists():
+        deadline = time.monotonic() + 300
+        while not part_files(path, 0, 2)[1].exists() and time.monotonic() < deadline:
             beat.write_text(f"1 {time.monotonic()}")
             time.sleep(0.01)
         seen["waiting"] = STEPS[0]
@@ -677,7 +678,7 @@ def test_rank0_waiting_for_a_working_rank_shows_progress(tmp_path, monkeypatch):
         seen["after"] = STEPS[0]
         part_files(path, 1, 2)[2].write_text(json.dumps({"rank": 1, "error": "stopped by the test"}))
 
-    thread = threading.Thread(target=rank1)
+    thread = threading.Thread(target=rank1, daemon=True)
     thread.start()
     with pytest.raises(RegenError, match="regeneration failed on rank 1: stopped by the test"):
         regenerate_sharded(cfg, CONVS, load_tokenizer(cfg), path, poll_s=0.02, stale_s=30)

@@ -7,6 +7,7 @@ regeneration survives a real SIGKILL."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import sys
@@ -252,21 +253,37 @@ def test_a_save_cut_short_by_a_crash_never_outranks_the_checkpoint_latest_names(
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step0000006"]
 
 
-def test_a_best_head_saved_after_the_last_checkpoint_stays_the_best(prepared, tmp_path):
+def test_a_best_head_saved_after_the_last_checkpoint_stays_the_best(prepared, tmp_path, monkeypatch):
     """A crash after head/ took a new best (step 4) and before the next checkpoint: the resumed run restored the
-    checkpoint's best score (step 2's), so any later validation above that replaced the better head."""
+    checkpoint's best score (step 2's), so any later validation above that replaced the better head; and the
+    validation replayed at step 4 counted towards early stopping (patience 1: the run stopped there). A head/ older
+    than the checkpoint (a forced rerun's predecessor's) is not taken over."""
     base = ["stages=[train]", "train.eval_every=2", "train.checkpoint_every=2", "train.keep_checkpoints=5",
-            "train.max_steps=4"]
-    cfg = fresh_run(prepared, tmp_path, *base)
+            "train.patience=1"]
+    cfg = fresh_run(prepared, tmp_path, *base, "train.max_steps=4")
     run_stages(cfg)
     out = stage_dir(cfg, "train")
-    shutil.rmtree(out / "checkpoints" / "step0000004")
-    (out / "checkpoints" / "latest").write_text("step0000002")
-    (out / stages.MARKER).unlink()
-    saved = json.loads((out / "head" / "metrics.json").read_text())
-    (out / "head" / "metrics.json").write_text(json.dumps({**saved, "step": 4, "sim_tau": 9.0}))
-    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", *base]))
-    assert json.loads((out / "head" / "metrics.json").read_text())["sim_tau"] == 9.0
+
+    def crashed_after_step_2_with(head_step: int, sim_tau: float, older: bool = False) -> None:
+        for tag in (p for p in (out / "checkpoints").iterdir() if p.name > "step0000002" and p.is_dir()):
+            shutil.rmtree(tag)
+        (out / "checkpoints" / "latest").write_text("step0000002")
+        (out / stages.MARKER).unlink()
+        saved = out / "head" / "metrics.json"
+        saved.write_text(json.dumps({**json.loads(saved.read_text()), "step": head_step, "sim_tau": sim_tau}))
+        if older:  # written before the checkpoint
+            when = (out / "checkpoints" / "step0000002" / "client.json").stat().st_mtime - 60
+            os.utime(saved, (when, when))
+
+    lines = logged(monkeypatch)
+    crashed_after_step_2_with(4, 9.0)
+    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", *base, "train.max_steps=6"]))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["best"]["sim_tau"] == 9.0 and summary["steps"] == 6
+    assert sum("holds a better head saved at step 4" in line for line in lines) == 1
+    crashed_after_step_2_with(6, 9.0, older=True)
+    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", *base, "train.max_steps=6"]))
+    assert sum("holds a better head" in line for line in lines) == 1  # not the older one
 
 
 def test_a_rank_restores_its_own_gpus_generator_whatever_the_devices_visible(monkeypatch):

@@ -111,3 +111,20 @@ def test_twin_exports_run_in_vllm_like_in_our_decoder(vllm_env, twin, tmp_path):
     model = TWINS[twin][0].removeprefix("model=")
     runs = [train_and_export(tmp_path, head, TWIN_TAPS, [*TWINS[twin], *TWIN_RUN], model) for head in HEADS]
     check_in_vllm(runs, TWIN_TAPS, TWIN_TOLERANCE)
+
+
+def test_a_full_vocabulary_eagle3_export_runs_in_vllm(vllm_env, tmp_path):
+    """A draft vocabulary that is the whole vocabulary: vLLM makes no draft_id_to_target_id parameter and refused an
+    export carrying d2t ("no module or parameter"); without it, vLLM runs the head as our chain decoder does."""
+    run = train_and_export(tmp_path, "eagle3", TWIN_TAPS, [*TWINS["qwen2"], *TWIN_RUN, "head.draft_vocab_size=1000000"],
+                           "tiny-qwen2")
+    proc = subprocess.run([sys.executable, "scripts/vllm_check.py", str(run), "--k", str(K), "--prompts", "4",
+                           "--max-tokens", "32", "--tau-tolerance", str(TWIN_TOLERANCE)],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    report = json.loads((run / "export" / "vllm_check.json").read_text())
+    for fmt in ("vllm", "speculators"):
+        x = report["exports"][fmt]
+        c = json.loads((Path(x["folder"]) / "config.json").read_text())
+        assert c["draft_vocab_size"] == c.get("vocab_size", c.get("transformer_layer_config", {}).get("vocab_size"))
+        assert x["vllm"]["identical_to_no_spec"] and abs(x["ours"]["tau"] - x["vllm"]["tau"]) <= 0.03 * x["vllm"]["tau"]

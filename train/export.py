@@ -365,7 +365,9 @@ def model_card(fmt: str, cfg: DictConfig, c: Eagle3Config | MedusaConfig, report
         tags.append("sglang")
     results = card_results(fmt, report, vllm_check, f"{head_tag}-chain")
     llama = card_license(cfg) == "llama3.1"  # its license: "Llama" first in the name of a model its outputs trained
-    model_name = f"{'Llama-' if llama else ''}{cfg.model.name}-{head_tag}-{fmt}"
+    model_name = f"{cfg.model.name}-{head_tag}-{fmt}"
+    if llama and not model_name.startswith("Llama"):
+        model_name = "Llama" + (model_name[5:] if model_name.lower().startswith("llama") else f"-{model_name}")
     data = ModelCardData(
         base_model=str(cfg.model.hub_id) if cfg.model.hub_id else None,
         # Who loads these files: the engines, not transformers (no AutoModel class for a draft head).
@@ -514,6 +516,7 @@ def run(cfg: DictConfig) -> dict:
     summary = train_summary(cfg)
     for other in {f for fs in FORMATS.values() for f in fs} - set(formats):  # an earlier export's, of another head
         shutil.rmtree(out / other, ignore_errors=True)                     # (publish and vllm_check would take it)
+    terms = target_files(cfg, LICENSE_FILES)
     written = {}
     for fmt in formats:
         tensors, config = build(fmt, head, target, cfg, dtype)
@@ -525,8 +528,8 @@ def run(cfg: DictConfig) -> dict:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "README.md").write_text(model_card(fmt, cfg, head.config, report, summary, vllm_check))
-        for terms in target_files(cfg, LICENSE_FILES):
-            shutil.copyfile(terms, tmp / terms.name)
+        for file in terms:
+            shutil.copyfile(file, tmp / file.name)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         written[fmt] = str(final)

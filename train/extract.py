@@ -223,10 +223,6 @@ def run(cfg: DictConfig) -> dict:
     if dist.is_main():  # partial files of a killed run (safetensors itself writes through a `.tmpXXXXXX`)
         for partial in out.glob(".*tmp*"):
             partial.unlink()
-        kept = stage_dir(cfg, "data") / "captured"
-        if kept.is_dir() and not keeps_states(cfg):  # extract.source changed to pass since: nothing reads them
-            log(f"[extract] deleting the hidden states kept while regenerating ({kept}): extract.source=pass")
-            shutil.rmtree(kept, ignore_errors=True)
     dist.barrier()
     tokenizer = load_tokenizer(cfg)
     data_manifest = check_data(cfg, tokenizer)
@@ -313,8 +309,12 @@ def run(cfg: DictConfig) -> dict:
     if dist.is_main():
         (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
         (out / "provenance.json").write_text(json.dumps({"world_size": world, **ready.summary()}, indent=2))
+        kept = stage_dir(cfg, "data") / "captured"
         if ready.captured is not None:  # now copied into the shards
             shutil.rmtree(ready.captured.dir, ignore_errors=True)
+        elif kept.is_dir() and cfg.extract.get("source") == "pass":  # set since they were kept: nothing reads them
+            log(f"[extract] deleting the hidden states kept while regenerating ({kept}): extract.source=pass")
+            shutil.rmtree(kept, ignore_errors=True)
     rate = sum(s["tokens"] for s in mine) / max(elapsed, 1e-9)
     log(f"[extract] {tokens} tokens, {total_bytes / 2**20:.1f} MiB, {manifest['bytes_per_token']} bytes/token; "
         f"rank 0: {rate:.0f} tok/s ({forward_s / max(elapsed, 1e-9):.0%} of the time in forward), "

@@ -581,18 +581,20 @@ class Trainer:
             torch._foreach_copy_(self.average.shadow, [t.to(self.device) for t in client["average"]])
         if changed:
             log(f"[train] resuming with changed {', '.join(changed)}")
-        # A best head saved after this checkpoint (then a crash): its score stands, or a later, worse head replaces it.
-        # Rank 0's reading for all: ranks disagreeing on the best would disagree on early stopping (a hang).
+        # A best head this run saved after the checkpoint (then a crash; written after it: not a head a forced rerun
+        # found): its score stands, or a later, worse head replaces it, and the validations replayed up to its step
+        # do not count towards early stopping. Rank 0's reading for all: ranks disagreeing would stop apart (a hang).
         saved = self.out / "head" / "metrics.json"
-        newer = dist.broadcast(json.loads(saved.read_text()) if dist.is_main() and saved.exists() else None)
+        newer = dist.broadcast(json.loads(saved.read_text()) if dist.is_main() and saved.exists()
+                               and saved.stat().st_mtime > meta.stat().st_mtime else None)
         if newer and newer["step"] > state["step"] and newer["sim_tau"] > state["best"]:
-            state["best"] = newer["sim_tau"]
+            state.update(best=newer["sim_tau"], best_step=newer["step"], bad_evals=0)
             log(f"[train] head/ holds a better head saved at step {newer['step']}, after this checkpoint (sim_tau "
                 f"{newer['sim_tau']:.3f}): kept unless beaten")
         if any(k in changed for k in ("train.val_tokens", "train.val_steps")):
             # other rows or another number of draft steps: a score on another scale. Against the old best, a
             # lower val_steps would never improve (head/ kept as it was, early stop after patience validations)
-            state.update(best=-1.0, bad_evals=0)
+            state.update(best=-1.0, bad_evals=0, best_step=-1)
             self.rescore = True
             log("[train] validation settings changed: the best score starts over (head/ is replaced at the next "
                 "validation, at the end at the latest)")
@@ -715,9 +717,9 @@ class Trainer:
                                max(self.tcfg.micro_batch_tokens, 2048))
             improved = metrics["sim_tau"] > state["best"] + 1e-4
             if improved:
-                state["best"], state["bad_evals"] = metrics["sim_tau"], 0
+                state.update(best=metrics["sim_tau"], best_step=state["step"], bad_evals=0)
                 self.save_best(metrics)
-        if not improved:
+        if not improved and state["step"] > state.get("best_step", -1):  # not a replay up to a head kept (resume)
             state["bad_evals"] += 1
         state["history"].append({"step": state["step"], "reason": reason, **metrics})
         self.tracker.log({f"val/{k}": v for k, v in metrics.items()}, step=state["step"])

@@ -112,7 +112,8 @@ def run(cfg: DictConfig) -> dict:
         raise PublishError(f"{pcfg.repo_id} exists and is public while publish.private=true; nothing was sent. Make "
                            "it private on the Hub (its Settings), or publish there with publish.private=false")
     sent = [str(p.relative_to(folder)) for p in files]
-    stale = [f for f in api.list_repo_files(pcfg.repo_id, repo_type="model") if f not in sent and f.endswith(WEIGHTS)]
+    stale = [f for f in api.list_repo_files(pcfg.repo_id, repo_type="model")  # at the top, where engines look
+             if f not in sent and "/" not in f and f.endswith(WEIGHTS)]
     if stale:
         log(f"[publish] deleting {stale} from {pcfg.repo_id} in the same commit: weights of an earlier upload, which "
             "engines would load beside these (or instead: vLLM follows an index file)")
