@@ -86,18 +86,38 @@ def cache_lock(path: Path) -> Iterator[None]:
         yield
 
 
+class LocalTarget:
+    """The ``hf`` backend's engine: the target in this process, loaded at the first call and kept, so that the synth
+    prompts and the answers load it once (twice was 1-2 min and 16 GB read again per rank at 8B)."""
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg, self.model = cfg, None
+
+    def __call__(self):
+        from train.target import load_target, regen_dtype
+
+        if self.model is None:
+            self.model = load_target(self.cfg, dtype=regen_dtype(self.cfg))
+        return self.model
+
+
 @contextmanager
-def engine_client(cfg: DictConfig) -> Iterator[OpenAIClient | None]:
-    """The client of the server the data stage generates through (``data.regen.backend``): None for ``hf``; the
-    user's server for ``openai``; for ``vllm`` a server started at the client's first request (a data stage whose
-    prompts and answers are all cached starts none) and stopped when the block ends, also on errors and Ctrl-C.
-    The synth source and regeneration share it: one vLLM start per data stage."""
+def engine_client(cfg: DictConfig) -> Iterator[OpenAIClient | LocalTarget]:
+    """What the data stage generates through (``data.regen.backend``): for ``hf`` the target in this process
+    (:class:`LocalTarget`, let go when the block ends); the user's server for ``openai``; for ``vllm`` a server
+    started at the client's first request (a data stage whose prompts and answers are all cached starts none) and
+    stopped when the block ends, also on errors and Ctrl-C. The synth source and regeneration share it: one vLLM
+    start, or one load of the target, per data stage."""
     rcfg = cfg.data.regen
     backend = rcfg.get("backend", "hf")
     if backend not in BACKENDS:
         raise RegenError(f"data.regen.backend must be one of {' | '.join(BACKENDS)}, got {backend!r}")
     if backend == "hf":
-        yield None
+        local = LocalTarget(cfg)
+        try:
+            yield local
+        finally:
+            local.model = None
         return
     if backend == "openai":  # data.regen.url is checked at the first request: a stage that needs none runs without
         yield OpenAIClient(rcfg.get("url") or "", rcfg.get("model"), rcfg.timeout_s, rcfg.retries,
@@ -111,9 +131,9 @@ def engine_client(cfg: DictConfig) -> Iterator[OpenAIClient | None]:
 
 
 def regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path,
-                       client: OpenAIClient | None = None) -> dict | None:
+                       client: OpenAIClient | LocalTarget | None = None) -> dict | None:
     """Regenerate every conversation of ``convs`` into the cache ``path`` with ``data.regen.backend`` (``client``:
-    :func:`engine_client`'s, for ``openai`` and ``vllm``), holding it alone (:func:`cache_lock`, rank 0).
+    :func:`engine_client`'s; None: the target loaded here), holding it alone (:func:`cache_lock`, rank 0).
 
     Returns the regeneration stats on rank 0, ``None`` on the other ranks (their share is written; rank 0
     does the rest of the data stage).
@@ -126,19 +146,18 @@ def regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
 
 
 def _regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path,
-                        client: OpenAIClient | None) -> dict | None:
+                        client: OpenAIClient | LocalTarget | None) -> dict | None:
     rcfg = cfg.data.regen
     system_prompt = cfg.data.system_prompt
-    if client is None:
+    if not isinstance(client, OpenAIClient):
         from train.stages import shares_work
-        from train.target import load_target, regen_dtype
 
+        target = client or LocalTarget(cfg)
         if not shares_work(cfg, "data"):  # one process (or rank 0 alone): exactly as before
-            target = load_target(cfg, dtype=regen_dtype(cfg))
-            stats = regenerate(convs, target, tokenizer, rcfg, system_prompt, path, capture_writer(cfg),
+            stats = regenerate(convs, target(), tokenizer, rcfg, system_prompt, path, capture_writer(cfg),
                                cfg.data.max_length)
         else:
-            stats = regenerate_sharded(cfg, convs, tokenizer, path)
+            stats = regenerate_sharded(cfg, convs, tokenizer, path, target)
         return None if stats is None else {"backend": "hf", "world_size": dist.world_size(), **stats}
     stats = regenerate_openai(convs, tokenizer, rcfg, system_prompt, path, client,
                               eos_ids(tokenizer, generation_config(cfg)), cfg.data.max_length)
@@ -217,13 +236,12 @@ def fold_parts(path: Path) -> int:
     return added
 
 
-def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path, poll_s: float = 2.0,
-                       stale_s: float | None = None) -> dict | None:
+def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path, target: LocalTarget | None = None,
+                       poll_s: float = 2.0, stale_s: float | None = None) -> dict | None:
     """``hf`` regeneration split across the ranks; rank 0 merges the parts into ``path`` (see module doc). Rank 0
     stops when a rank that has not finished stops beating (``stale_s``), or beats without progress for
     ``hang_minutes`` (:class:`train.stages.Pulse`)."""
     from train.stages import ALIVE, STALE_S, Pulse, stage_dir
-    from train.target import load_target, regen_dtype
 
     rank, world, system_prompt = dist.rank(), dist.world_size(), cfg.data.system_prompt
     rcfg = cfg.data.regen
@@ -242,9 +260,8 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
     try:
         if mine:
             log(f"[data] rank {rank}/{world}: regenerating its share of {len(mine)} conversations into {part}")
-            target = load_target(cfg, dtype=regen_dtype(cfg))
-            stats = regenerate(list(mine.values()), target, tokenizer, rcfg, system_prompt, part, capture_writer(cfg),
-                               cfg.data.max_length)
+            stats = regenerate(list(mine.values()), (target or LocalTarget(cfg))(), tokenizer, rcfg, system_prompt,
+                               part, capture_writer(cfg), cfg.data.max_length)
         else:
             stats = {"cached": 0, "generated": 0, "new_tokens": 0, "seconds": 0.0}
     except BaseException as e:

@@ -409,9 +409,9 @@ class Synthesizer:
         self.cfg, self.tokenizer, self.client, self.stats = cfg, tokenizer, client, {}
 
     def __call__(self, source: dict, name: str) -> Iterator[tuple[str, dict]]:
-        from data.engines import generation_config
+        from data.engines import LocalTarget, OpenAIClient, generation_config
         from train.stages import shares_work
-        from train.target import load_target, regen_dtype, target_fingerprint
+        from train.target import target_fingerprint
 
         dcfg = self.cfg.data
         s = settings(source, int(self.cfg.seed))
@@ -421,10 +421,10 @@ class Synthesizer:
         # Under a launcher with hf regeneration every rank reads the sources: they write the batches together
         # (rank r the batches b = r mod world) and each filters all of them (every rank has the same prompts).
         world = dist.world_size() if shares_work(self.cfg, "data") else 1
-        if self.client is None:
-            writer = TargetWriter(lambda: load_target(self.cfg, dtype=regen_dtype(self.cfg)))
-        else:
+        if isinstance(self.client, OpenAIClient):
             writer = ServerWriter(self.client, generation_config(self.cfg))
+        else:  # the target in this process: engine_client's, shared with the answers
+            writer = TargetWriter(self.client or LocalTarget(self.cfg))
         kept, self.stats[name] = synthesize(writer, self.tokenizer, s, path, name, dist.rank() if world > 1 else 0,
                                             world)
         st = self.stats[name]

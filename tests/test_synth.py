@@ -279,13 +279,19 @@ def test_synth_hints_cycle_and_steer_the_prefix(fake_generate, tmp_path):
         synth.settings({"type": "synth", "nn": 3}, 0)
 
 
-def test_synth_source_through_the_data_stage(fake_generate, cfg_factory, tmp_path):
+def test_synth_source_through_the_data_stage(fake_generate, cfg_factory, tmp_path, monkeypatch):
+    """The prompts written, then answered, by the target loaded once (twice was 1-2 min per rank at 8B)."""
+    import train.target
+
+    loads, load = [], train.target.load_target
+    monkeypatch.setattr(train.target, "load_target", lambda *a, **k: loads.append(1) or load(*a, **k))
     cfg = cfg_factory("model=tiny-qwen2", "stages=[data]", "data.regen.max_new_tokens=4", "head.draft_vocab_size=40",
                       "data.sources=[{type:synth,n:6,batch_size:4,min_chars:5}]", "data.thinking=false")
     run_stages(cfg)
     stats = json.loads((tmp_path / "tiny-qwen2/eagle3/data/stats.json").read_text())
     st = stats["synth"]["synth"]
     assert st["kept"] == 6 and stats["rows_read"] == 6 and sum(stats["rows_kept"].values()) == 6
+    assert stats["regeneration"]["generated"] == 6 and len(loads) == 1
     for key in ("distinct_1", "distinct_2", "near_duplicate_rate", "duplicate_rate", "words_histogram", "file"):
         assert key in st
     assert 0 < st["distinct_1"] <= 1 and sum(st["words_histogram"].values()) == 6
