@@ -274,7 +274,7 @@ def run(cfg: DictConfig) -> dict:
     tally = {}
     for split in SPLITS:
         masked, every = np.zeros(vocab_size, dtype=np.int64), np.zeros(vocab_size, dtype=np.int64)
-        for i in range(0, len(rows[split]), 4096):  # one count per 4096 rows: 28x faster than per row (2 min at 800k)
+        for i in range(0, len(rows[split]), 4096):  # one count per 4096 rows: 15x faster than per row (2.2 min at 800k)
             chunk = rows[split][i:i + 4096]
             ids = np.concatenate([r["input_ids"] for r in chunk])
             every += np.bincount(ids, minlength=vocab_size)
