@@ -169,6 +169,23 @@ def test_zero3_extract_releases_its_target(prepared, tmp_path):
     assert loaded > 1 and alive == 0, out.stdout[-2000:]
 
 
+@pytest.mark.parametrize("ema", [0.0, 0.99])
+def test_planned_checkpoint_size_matches_the_checkpoints_written(prepared, tmp_path, ema):
+    """plan=true's train disk line: a checkpoint's bytes (trainable weights, Adam moments, train.ema's average)
+    against those the train stage writes; it keeps train.keep_checkpoints of them."""
+    from train.plan import plan
+
+    cfg = fresh_run(prepared, tmp_path, "stages=[train]", f"train.ema={ema}")
+    run_stages(cfg)
+    written = [sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+               for d in (stage_dir(cfg, "train") / "checkpoints").iterdir() if d.is_dir()]
+    planned = plan(cfg)["train"]
+    assert len(written) == cfg.train.keep_checkpoints
+    for size in written:
+        print(f"planned {planned['checkpoint_bytes']:,} B, written {size:,} B")
+        assert abs(planned["checkpoint_bytes"] / size - 1) < 0.1, (planned["checkpoint_bytes"], size)
+
+
 def test_extract_refuses_data_of_another_target(prepared, tmp_path):
     cfg = fresh_run(prepared, tmp_path, stages=("data",))
     other = make_cfg([*BASE, "model=tiny-qwen2", f"output_root={tmp_path}", f"run_dir={cfg.run_dir}", "stages=[extract]"])
