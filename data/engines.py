@@ -154,7 +154,7 @@ def _regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Pat
 
         target = client or LocalTarget(cfg)
         if not shares_work(cfg, "data"):  # one process (or rank 0 alone): exactly as before
-            stats = regenerate(convs, target(), tokenizer, rcfg, system_prompt, path, capture_writer(cfg),
+            stats = regenerate(convs, target, tokenizer, rcfg, system_prompt, path, capture_writer(cfg),
                                cfg.data.max_length)
         else:
             stats = regenerate_sharded(cfg, convs, tokenizer, path, target)
@@ -260,7 +260,7 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
     try:
         if mine:
             log(f"[data] rank {rank}/{world}: regenerating its share of {len(mine)} conversations into {part}")
-            stats = regenerate(list(mine.values()), (target or LocalTarget(cfg))(), tokenizer, rcfg, system_prompt,
+            stats = regenerate(list(mine.values()), target or LocalTarget(cfg), tokenizer, rcfg, system_prompt,
                                part, capture_writer(cfg), cfg.data.max_length)
         else:
             stats = {"cached": 0, "generated": 0, "new_tokens": 0, "seconds": 0.0}

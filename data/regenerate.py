@@ -259,7 +259,8 @@ def eos_ids(tokenizer, generation_config) -> set[int]:
 
 def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | None, path: Path,
                capture: CaptureWriter | None = None, max_length: int | None = None) -> dict:
-    """Fill ``path`` with regenerated conversations for every conversation of ``convs``; returns stats.
+    """Fill ``path`` with regenerated conversations for every conversation of ``convs``; returns stats. ``model``:
+    the target, or a function giving it (called only when something is left to generate).
 
     The conversations' next turns go through :func:`stream` shortest prompt first, ``rcfg.batch_size`` at
     once, refilled as answers finish (``rcfg.refill``: the share of the batch that must be free); a
@@ -273,6 +274,8 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
     state, stats = pending(convs, system_prompt, path, max_length)
     if not state:
         return stats
+    if not isinstance(model, torch.nn.Module):  # a loader (data.engines.LocalTarget): called only when needed
+        model = model()
     eos = eos_ids(tokenizer, model.generation_config)
     # Each rank its own stream (sampled answers: row k of every rank's batch drew the same numbers).
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(rcfg.seed + 7919 * dist.rank())

@@ -237,7 +237,7 @@ class TargetWriter:
         return 1
 
     def close(self) -> None:
-        """Let the target go (the data stage goes on without it)."""
+        """Let the target go (the data stage's :class:`data.engines.LocalTarget` keeps it for the answers)."""
         self.model = None
 
     def __call__(self, jobs: Jobs, tokenizer, eos: set[int], s: dict) -> Iterator[tuple[int, list[dict]]]:

@@ -158,6 +158,29 @@ def test_states_kept_for_a_source_changed_to_pass_are_deleted(tmp_path, text_twi
     assert not (stage_dir(cfg, "data") / "captured").exists()
 
 
+def test_states_kept_before_a_backend_change_are_still_used(tmp_path, text_twin):
+    """Kept with hf, then data.regen.backend=openai (the data stage ignores the key: not rerun): under
+    extract.source=auto the extract stage neither used nor deleted them (TBs, every row computed again)."""
+    cfg = _run(tmp_path, text_twin, "auto", "stages=[data]")
+    changed = _run(tmp_path, text_twin, "auto", "stages=[extract]", "data.regen.backend=openai",
+                   "data.regen.url=http://127.0.0.1:9")
+    assert read_marker(changed, "data")["fingerprint"] == read_marker(cfg, "data")["fingerprint"]
+    provenance = json.loads((stage_dir(changed, "extract") / "provenance.json").read_text())
+    assert provenance["from_regeneration"]["rows"] > 0
+    assert not (stage_dir(changed, "data") / "captured").exists()  # copied, then deleted
+
+
+def test_a_data_stage_with_every_answer_cached_loads_no_target(tmp_path, text_twin, monkeypatch):
+    """A data stage rerun whose answers are all cached (force=[data], a changed data.max_length) loaded the 7-8B
+    target for nothing (1-2 min per run)."""
+    import train.target
+
+    _run(tmp_path, text_twin, "pass", "stages=[data]")
+    monkeypatch.setattr(train.target, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    cfg = _run(tmp_path, text_twin, "pass", "stages=[data]", "force=[data]")
+    assert json.loads((stage_dir(cfg, "data") / "stats.json").read_text())["regeneration"]["generated"] == 0
+
+
 @pytest.mark.parametrize("caps,native", [({"amx_bf16": True}, True), ({"avx512_bf16": True, "amx_bf16": False}, True),
                                          ({"avx512_bf16": False, "amx_bf16": False, "avx2": True}, False)])
 def test_regen_dtype_auto_is_bf16_on_a_cpu_with_native_bf16_else_the_runs_dtype(caps, native, monkeypatch):

@@ -338,8 +338,11 @@ class ReadyStates:
         self.ds, self.lengths = ds, lengths
         self.rows: dict[str, dict[int, str]] = {s: {} for s in SPLITS}  # split -> row -> "regeneration" | "run"
         self.captured = self.sibling = None
-        if keeps_states(cfg):
-            self.captured = CapturedStates(stage_dir(cfg, "data") / "captured", layers, cfg.extract.dtype, target)
+        kept = stage_dir(cfg, "data") / "captured"
+        # Also under extract.source=auto when the backend has changed since they were kept (the data stage ignores
+        # it): the files say whose states they are and covers() checks each row's tokens.
+        if keeps_states(cfg) or (cfg.extract.get("source", "pass") == "auto" and kept.is_dir()):
+            self.captured = CapturedStates(kept, layers, cfg.extract.dtype, target)
             for split in SPLITS:
                 for r, key in enumerate(ds[split]["key"]):
                     if key in self.captured.index and self.captured.covers(key, ds[split][r]["input_ids"]):
