@@ -364,7 +364,8 @@ def model_card(fmt: str, cfg: DictConfig, c: Eagle3Config | MedusaConfig, report
     if fmt == "sglang":
         tags.append("sglang")
     results = card_results(fmt, report, vllm_check, f"{head_tag}-chain")
-    llama = card_license(cfg) == "llama3.1"  # its license: "Llama" first in the name of a model its outputs trained
+    license_key = card_license(cfg)
+    llama = license_key == "llama3.1"  # its license: "Llama" first in the name of a model its outputs trained
     model_name = f"{cfg.model.name}-{head_tag}-{fmt}"
     if llama and not model_name.startswith("Llama"):
         model_name = "Llama" + (model_name[5:] if model_name.lower().startswith("llama") else f"-{model_name}")
@@ -372,7 +373,7 @@ def model_card(fmt: str, cfg: DictConfig, c: Eagle3Config | MedusaConfig, report
         base_model=str(cfg.model.hub_id) if cfg.model.hub_id else None,
         # Who loads these files: the engines, not transformers (no AutoModel class for a draft head).
         library_name="sglang" if fmt == "sglang" else "vllm",
-        pipeline_tag="text-generation", tags=tags, license=card_license(cfg), model_name=model_name,
+        pipeline_tag="text-generation", tags=tags, license=license_key, model_name=model_name,
         eval_results=[EvalResult(task_type="text-generation", task_name="speculative decoding",
                                  dataset_type=r["dataset"], dataset_name=r["dataset"], metric_type=r["metric"],
                                  metric_name=r["name"], metric_value=r["value"]) for r in results] or None)
@@ -391,7 +392,7 @@ def model_card(fmt: str, cfg: DictConfig, c: Eagle3Config | MedusaConfig, report
     if isinstance(c, Eagle3Config):
         lines.append(f"- aux hidden states (HF hidden_states index = vLLM convention): {list(c.aux_layers)}; "
                      f"in this file's convention: {_ids_in_file(fmt, c)}")
-    if not card_license(cfg):
+    if not license_key:
         lines.append("- license: unknown for this target; set `export.license` (a Hub license key) before publishing")
     if llama:
         lines += ["", "**Built with Llama.** Llama 3.1 is licensed under the Llama 3.1 Community License, Copyright "

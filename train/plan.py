@@ -368,6 +368,7 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
     # fp32, Adam's two fp32 moments, train.ema's fp32 average (the frozen weights are not saved); the rotation keeps
     # train.keep_checkpoints and writes the next before deleting the oldest.
     checkpoint = sh.trainable * (dtype.itemsize + (4 if dtype != torch.float32 else 0) + 8 + (4 if tc.ema else 0))
+    checkpoints = tc.keep_checkpoints + 1
     return {
         "model": cfg.model.name, "architecture": type(config).__name__.removesuffix("Config"), "config_source": source,
         "device": device.type, "dtype": _name(dtype), "world_size": world, "shapes": sh, "tokens": tokens,
@@ -380,7 +381,7 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
                     "memory": extract_memory(cfg, sh, extract_dtype, world), "tok_s": extract_rate, "basis": extract_basis,
                     "hours": total / (extract_rate * world) / 3600},
         "train": {"memory": train_memory(cfg, sh, dtype, world), "tok_s": train_rate, "tokens": trained,
-                  "checkpoint_bytes": checkpoint, "disk_bytes": checkpoint * (tc.keep_checkpoints + 1),
+                  "checkpoints": checkpoints, "checkpoint_bytes": checkpoint, "disk_bytes": checkpoint * checkpoints,
                   "basis": train_basis, "hours": min(train_h, (tc.max_minutes or 1e9) / 60),
                   "capped": bool(tc.max_minutes) and train_h > tc.max_minutes / 60},
         "eval": {"memory": eval_memory(cfg, sh, dtype)},
@@ -435,7 +436,7 @@ def format_plan(p: dict) -> str:
                   + (f"   << DISK TOO SMALL (x{ex['disk_margin']} margin): extract will refuse" if short_disk else "")]
         memory("memory per rank (peak)", ex["memory"])
         lines.append(f"  {'time':<27}{_duration(ex['hours'])}   at {ex['tok_s']:,.0f} tok/s per rank ({ex['basis']})")
-    lines += ["", "TRAIN", f"  {'disk':<27}{_gib(tr['disk_bytes'])}   {tr['disk_bytes'] // tr['checkpoint_bytes']} "
+    lines += ["", "TRAIN", f"  {'disk':<27}{_gib(tr['disk_bytes'])}   {tr['checkpoints']} "
               f"checkpoints (train.keep_checkpoints + the next) x {tr['checkpoint_bytes'] / GiB:.2f} GiB: trainable "
               "weights, fp32 master copy and Adam moments (and train.ema's average)"]
     memory("memory per rank (peak)", tr["memory"])
