@@ -256,34 +256,41 @@ def test_a_save_cut_short_by_a_crash_never_outranks_the_checkpoint_latest_names(
 def test_a_best_head_saved_after_the_last_checkpoint_stays_the_best(prepared, tmp_path, monkeypatch):
     """A crash after head/ took a new best (step 4) and before the next checkpoint: the resumed run restored the
     checkpoint's best score (step 2's), so any later validation above that replaced the better head; and the
-    validation replayed at step 4 counted towards early stopping (patience 1: the run stopped there). A head/ older
-    than the checkpoint (a forced rerun's predecessor's) is not taken over."""
+    validation replayed at step 4 counted towards early stopping (patience 1: the run stopped there). The head is
+    recognised by the run's id, not by file times: one copied with older times is still taken over; another run's
+    (a forced rerun's predecessor's) or one saved before run ids is not."""
     base = ["stages=[train]", "train.eval_every=2", "train.checkpoint_every=2", "train.keep_checkpoints=5",
             "train.patience=1"]
     cfg = fresh_run(prepared, tmp_path, *base, "train.max_steps=4")
     run_stages(cfg)
     out = stage_dir(cfg, "train")
 
-    def crashed_after_step_2_with(head_step: int, sim_tau: float, older: bool = False) -> None:
+    def crashed_after_step_2_with(head_step: int, sim_tau: float, run: str | None = "same") -> None:
         for tag in (p for p in (out / "checkpoints").iterdir() if p.name > "step0000002" and p.is_dir()):
             shutil.rmtree(tag)
         (out / "checkpoints" / "latest").write_text("step0000002")
         (out / stages.MARKER).unlink()
         saved = out / "head" / "metrics.json"
-        saved.write_text(json.dumps({**json.loads(saved.read_text()), "step": head_step, "sim_tau": sim_tau}))
-        if older:  # written before the checkpoint
-            when = (out / "checkpoints" / "step0000002" / "client.json").stat().st_mtime - 60
-            os.utime(saved, (when, when))
+        metrics = {**json.loads(saved.read_text()), "step": head_step, "sim_tau": sim_tau}
+        if run != "same":
+            metrics.pop("run")
+            metrics.update({"run": run} if run else {})
+        saved.write_text(json.dumps(metrics))
+        when = (out / "checkpoints" / "step0000002" / "client.json").stat().st_mtime - 60
+        os.utime(saved, (when, when))  # older than the checkpoint, as in a copy that did not keep the times
 
     lines = logged(monkeypatch)
+    again = [*BASE, f"output_root={tmp_path}", *base, "train.max_steps=6"]
     crashed_after_step_2_with(4, 9.0)
-    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", *base, "train.max_steps=6"]))
+    run_stages(make_cfg(again))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["best"]["sim_tau"] == 9.0 and summary["steps"] == 6
     assert sum("holds a better head saved at step 4" in line for line in lines) == 1
-    crashed_after_step_2_with(6, 9.0, older=True)
-    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", *base, "train.max_steps=6"]))
-    assert sum("holds a better head" in line for line in lines) == 1  # not the older one
+    for other in ("0" * 32, None):
+        crashed_after_step_2_with(6, 9.0, run=other)
+        run_stages(make_cfg(again))
+        assert json.loads((out / "summary.json").read_text())["best"]["sim_tau"] < 9.0  # replaced by this run's
+    assert sum("holds a better head" in line for line in lines) == 1  # not the other run's, nor the id-less one
 
 
 def test_a_rank_restores_its_own_gpus_generator_whatever_the_devices_visible(monkeypatch):

@@ -18,6 +18,7 @@ import os
 import random
 import shutil
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -521,7 +522,10 @@ class Trainer:
         self.warmup = warmup_steps(self.tcfg.warmup_steps, self.planned_steps)
         # With a wall-clock budget the schedule is fitted to it from the measured step time once the warmup has
         # been timed (kept in the checkpointed state, so a resumed run follows the same schedule).
-        self.state = {"step": 0, "best": -1.0, "bad_evals": 0, "history": [], "total_steps": self.planned_steps}
+        # "run": this run's id (rank 0's, kept in the checkpoints, written beside each best head): a head/ whose id
+        # differs is another run's (a forced rerun's predecessor), whatever the files' times say
+        self.state = {"step": 0, "best": -1.0, "bad_evals": 0, "history": [], "total_steps": self.planned_steps,
+                      "run": dist.broadcast(uuid.uuid4().hex if dist.is_main() else None)}
         self.rescore = False  # validation settings changed on resume: validate at the end whatever was validated
         # A lambda, not the bound method: LambdaLR leaves plain functions out of its (checkpointed) state.
         self.engine, self.scheduler = make_engine(head, self.tcfg, self.dtype, lambda s: self.lr_ratio(s))
@@ -581,13 +585,14 @@ class Trainer:
             torch._foreach_copy_(self.average.shadow, [t.to(self.device) for t in client["average"]])
         if changed:
             log(f"[train] resuming with changed {', '.join(changed)}")
-        # A best head this run saved after the checkpoint (then a crash; written after it: not a head a forced rerun
-        # found): its score stands, or a later, worse head replaces it, and the validations replayed up to its step
-        # do not count towards early stopping. Rank 0's reading for all: ranks disagreeing would stop apart (a hang).
+        # A best head this run saved after the checkpoint (then a crash; this run's id: not the head of a run forced
+        # over, nor one of a checkpoint made before run ids): its score stands, or a later, worse head replaces it,
+        # and the validations replayed up to its step do not count towards early stopping. Rank 0's reading for all:
+        # ranks disagreeing would stop apart (a hang).
         saved = self.out / "head" / "metrics.json"
-        newer = dist.broadcast(json.loads(saved.read_text()) if dist.is_main() and saved.exists()
-                               and saved.stat().st_mtime > meta.stat().st_mtime else None)
-        if newer and newer["step"] > state["step"] and newer["sim_tau"] > state["best"]:
+        newer = dist.broadcast(json.loads(saved.read_text()) if dist.is_main() and saved.exists() else None)
+        if (newer and newer.get("run") == state["run"] and newer["step"] > state["step"]
+                and newer["sim_tau"] > state["best"]):
             state.update(best=newer["sim_tau"], best_step=newer["step"], bad_evals=0)
             log(f"[train] head/ holds a better head saved at step {newer['step']}, after this checkpoint (sim_tau "
                 f"{newer['sim_tau']:.3f}): kept unless beaten")
@@ -736,7 +741,8 @@ class Trainer:
             tmp, head, old = self.out / "head.tmp", self.out / "head", self.out / "head.old"
             shutil.rmtree(tmp, ignore_errors=True)
             save_head(self.model, tmp)
-            (tmp / "metrics.json").write_text(json.dumps({"step": self.state["step"], **metrics}, indent=2))
+            (tmp / "metrics.json").write_text(json.dumps({"step": self.state["step"], "run": self.state["run"],
+                                                          **metrics}, indent=2))
             if head.exists():
                 shutil.rmtree(old, ignore_errors=True)
                 head.rename(old)
