@@ -156,21 +156,18 @@ def test_changed_result_key_refuses_and_force_starts_over(prepared, tmp_path, mo
     assert sum("starting over" in line for line in lines) == 2
 
 
-def test_checkpoints_of_another_rank_count_are_refused_and_kept(prepared, tmp_path):
-    """A run checkpointed on 2 ranks and restarted on 1 (or 8 on 4): the data order and the optimizer's shards
-    follow the rank count, so the checkpoints are refused with the two ways out, and nothing is deleted."""
-    cfg = fresh_run(prepared, tmp_path, "stages=[train]")
-    run_stages(cfg)
-    ckpt = stage_dir(cfg, "train") / "checkpoints"
-    meta = ckpt / (ckpt / "latest").read_text().strip() / "client.json"
-    assert json.loads(meta.read_text())["world"] == 1
-    meta.write_text(json.dumps({**json.loads(meta.read_text()), "world": 2}))   # as if made on 2 ranks
-    (stage_dir(cfg, "train") / stages.MARKER).unlink()
-    tags = sorted(p.name for p in ckpt.iterdir())
-    with pytest.raises(train.loop.CheckpointMismatchError, match=r"made on 2 ranks and this run has 1.*--num_gpus 2.*"
-                                                                r"force=\[train\]"):
-        run_stages(cfg)
-    assert sorted(p.name for p in ckpt.iterdir()) == tags
+def test_another_rank_count_resumes_with_the_same_micro_batches_per_step(tmp_path):
+    """A checkpoint made on 8 ranks x accumulation 1 resumes on 4 x 2, 2 x 4 or 1 x 8 (the same rows in each step,
+    the same schedule); 3 ranks cannot share its 8 micro-batches: refused, naming the rank counts that can and
+    force. A checkpoint written before `per_step` was stored counts its world x train.grad_accum. (End to end, ZeRO
+    shards included: tests/test_pipeline.py::test_a_run_resumes_on_another_rank_count.)"""
+    client = {"world": 8, "per_step": 8}
+    assert [train.loop.resume_accum(client, n, tmp_path) for n in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    with pytest.raises(train.loop.CheckpointMismatchError,
+                       match=r"made on 8 ranks with 8 micro-batches per step, which 3 ranks cannot share equally\. "
+                             r"Resume on 1, 2, 4, 8 ranks.*force=\[train\]"):
+        train.loop.resume_accum(client, 3, tmp_path)
+    assert train.loop.resume_accum({"world": 4, "identity": {"train.grad_accum": 3}}, 6, tmp_path) == 2
 
 
 def test_latest_names_a_checkpoint_only_once_every_rank_has_written_it(prepared, tmp_path, monkeypatch):

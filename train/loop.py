@@ -17,6 +17,8 @@ import math
 import os
 import random
 import shutil
+import subprocess
+import sys
 import time
 import uuid
 from collections import deque
@@ -25,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from itertools import islice
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -465,16 +468,18 @@ def load_data(cfg: DictConfig, target, layers: list[int], device: torch.device, 
                 val_subset(row_lengths(ds["validation"]), tcfg.val_tokens), lengths, steps_per_epoch)
 
 
-def make_engine(head: torch.nn.Module, tcfg: DictConfig, dtype: torch.dtype,
-                lr_ratio: Callable[[int], float]) -> tuple[DeepSpeedEngine, torch.optim.lr_scheduler.LambdaLR]:
+def make_engine(head: torch.nn.Module, tcfg: DictConfig, dtype: torch.dtype, lr_ratio: Callable[[int], float],
+                universal: bool = False) -> tuple[DeepSpeedEngine, torch.optim.lr_scheduler.LambdaLR]:
     """The DeepSpeed engine over ``head``, weight decay on matrices only (:func:`param_groups`), learning rates
     x ``lr_ratio(step)``. ``train.optimizer``: ``adamw`` (``train.lr``) or ``muon``, DeepSpeed's Muon
     (``train.muon_lr``) on the hidden matrices with AdamW (``train.lr``) on the lm_head(s) and 1-D weights;
     DeepSpeed tags them (2-D, no "embed"/"lm_head" in the name) and orthogonalises whole matrices under ZeRO
-    1/2 too. Returns (engine, scheduler)."""
+    1/2 too. ``universal``: the checkpoint to resume is a universal one (:func:`to_universal`). Returns (engine,
+    scheduler)."""
     import deepspeed
 
     groups, config = param_groups(head, tcfg.weight_decay), deepspeed_config(tcfg, dtype)
+    config["checkpoint"] = {"load_universal": universal}
     if tcfg.optimizer == "muon":
         config["optimizer"] = {"type": "muon", "params": {
             "lr": tcfg.lr, "muon_lr": tcfg.muon_lr, "momentum": 0.95, "betas": [0.9, 0.95],
@@ -509,6 +514,7 @@ class Trainer:
         self.ckpt_dir = self.out / "checkpoints"
         self.device, self.dtype = setup_process(cfg)
         self.world, self.rank = dist.world_size(), dist.rank()
+        self.tcfg, self.universal = self.fit_to_checkpoint()
         self.per_step = self.world * self.tcfg.grad_accum
         # Offline, the head needs three tensors of the target (embedding, lm_head, final norm), read from its
         # files; only online training (hidden states computed on the fly) loads the whole target.
@@ -528,7 +534,8 @@ class Trainer:
                       "run": dist.broadcast(uuid.uuid4().hex if dist.is_main() else None)}
         self.rescore = False  # validation settings changed on resume: validate at the end whatever was validated
         # A lambda, not the bound method: LambdaLR leaves plain functions out of its (checkpointed) state.
-        self.engine, self.scheduler = make_engine(head, self.tcfg, self.dtype, lambda s: self.lr_ratio(s))
+        self.engine, self.scheduler = make_engine(head, self.tcfg, self.dtype, lambda s: self.lr_ratio(s),
+                                                  self.universal)
         self.model = self.engine.module
         # The head was initialised alike on every rank; from here each rank draws its own tap noise and dropout
         # masks (with one seed the ranks' noise would be the same draws on different rows).
@@ -536,6 +543,21 @@ class Trainer:
         random.seed(cfg.seed + self.rank)
         self.average = Average(self.model, self.tcfg.ema) if self.tcfg.ema else None
         self.fingerprint, self.identity = fingerprint(cfg, "train"), checkpoint_identity(cfg)
+
+    def fit_to_checkpoint(self) -> tuple[DictConfig, bool]:
+        """The ``train`` settings to resume the latest checkpoint with, and whether its optimizer shards are loaded
+        as a universal checkpoint. Made on another rank count (a node lost, a job moved), it is resumed with the
+        accumulation that keeps its micro-batches per step (world x ``train.grad_accum``): the same rows in each
+        step, the same schedule and step count; its ZeRO optimizer shards, split for the old rank count, are
+        converted to DeepSpeed's universal format (:func:`to_universal`)."""
+        tcfg = self.cfg.train
+        meta = latest_meta(self.ckpt_dir)
+        client = dist.broadcast(json.loads(meta.read_text()) if dist.is_main() and meta else None)
+        if client is None or "train" in self.cfg.force or client.get("world", self.world) == self.world:
+            return tcfg, False
+        accum = resume_accum(client, self.world, self.ckpt_dir)
+        shards = dist.broadcast(any(meta.parent.glob("*optim_states.pt")) if dist.is_main() else None)
+        return OmegaConf.merge(tcfg, {"grad_accum": accum}), shards
 
     def lr_ratio(self, step: int) -> float:
         """The learning-rate multiplier at ``step`` under the current plan (``state`` changes when refitted)."""
@@ -550,9 +572,8 @@ class Trainer:
         cfg, state, ckpt_dir = self.cfg, self.state, self.ckpt_dir
         if dist.is_main() and (self.out / "head.old").exists() and not (self.out / "head").exists():
             (self.out / "head.old").rename(self.out / "head")   # a crash inside save_best: the previous best head
-        latest = ckpt_dir / "latest"
-        meta = ckpt_dir / latest.read_text().strip() / "client.json" if latest.exists() else None
-        if meta is None or not meta.exists():
+        meta = latest_meta(ckpt_dir)
+        if meta is None:
             if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
                 if "train" not in cfg.force:  # a crash before the first checkpoint completed: nothing to resume
                     log(f"[train] {ckpt_dir} holds no complete checkpoint; starting fresh")
@@ -560,13 +581,9 @@ class Trainer:
             return
         client = json.loads(meta.read_text())
         changed = checkpoint_changes(client, self.identity)
+        if checkpoint_per_step(client) == self.per_step:  # another split of the same step (fit_to_checkpoint)
+            changed = [k for k in changed if k != "train.grad_accum"]
         blocking = [k for k in changed if k not in RESUMABLE["train"]]
-        if client.get("world", self.world) != self.world and "train" not in cfg.force:
-            raise CheckpointMismatchError(
-                f"the training checkpoints in {ckpt_dir} were made on {client['world']} ranks and this run has "
-                f"{self.world}: the data order (micro-batches per step) and the optimizer's shards follow the rank "
-                f"count. Resume on {client['world']} ranks (deepspeed --num_gpus {client['world']}), or add "
-                "force=[train] to start over (the checkpoints are then deleted)")
         if "train" in cfg.force:
             log(f"[train] force=[train]: deleting {ckpt_dir} and starting over"
                 + (f" ({', '.join(blocking)} changed)" if blocking else ""))
@@ -577,10 +594,14 @@ class Trainer:
                 f"the training checkpoints in {ckpt_dir} were made with other settings: {', '.join(blocking)} "
                 f"changed. Add force=[train] to start over (the checkpoints are then deleted), or set the "
                 f"old value(s) back to resume")
-        _, client = self.engine.load_checkpoint(str(ckpt_dir), load_module_strict=False)
+        tag = to_universal(meta.parent) if self.universal else meta.parent.name
+        _, client = self.engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=False)
+        if self.universal:
+            _remove_checkpoints(ckpt_dir / tag)  # a converted copy: the next checkpoint is saved for this rank count
         state.update(client["state"])
         rng = client["rng"]
-        set_rng_state(rng[self.rank] if isinstance(rng, list) else rng)   # one per rank (a dict: made before)
+        if not isinstance(rng, list) or self.rank < len(rng):  # one per rank (a dict: made before); a rank added
+            set_rng_state(rng[self.rank] if isinstance(rng, list) else rng)  # since keeps its seed's stream
         if self.average:
             torch._foreach_copy_(self.average.shadow, [t.to(self.device) for t in client["average"]])
         if changed:
@@ -762,8 +783,9 @@ class Trainer:
             #         rewritten in place, a crash mid-save would tear the one checkpoint `latest` names
         if dist.is_main():
             (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
-            (ckpt_dir / tag / "client.json").write_text(json.dumps({"fingerprint": self.fingerprint, "world": self.world,
-                                                                     "step": state["step"], "identity": self.identity}))
+            (ckpt_dir / tag / "client.json").write_text(json.dumps({
+                "fingerprint": self.fingerprint, "world": self.world, "per_step": self.per_step, "step": state["step"],
+                "identity": self.identity}))
         state["train_s"] = time.time() - self.start
         client = {"state": state, "rng": dist.all_gather_objects(rng_state()),  # saved by rank 0 only: every rank's
                   "average": self.average.shadow if self.average else None}
@@ -777,8 +799,8 @@ class Trainer:
             # kept by name, it would outrank this one and the rotation would delete the checkpoint `latest` names
             tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step"))
             kept = [t for t in tags if t <= tag][-self.tcfg.keep_checkpoints:]
-            for old in set(tags) - set(kept):
-                shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+            for old in [*(set(tags) - set(kept)), *(p.name for p in ckpt_dir.glob("universal-*"))]:
+                shutil.rmtree(ckpt_dir / old, ignore_errors=True)  # (a conversion a crash left: to_universal)
         dist.barrier()
         self.side_s += time.time() - t0
 
@@ -861,6 +883,55 @@ def replan(state: dict, planned_steps: int, warmup: int, min_ratio: float, reach
     state.update(total_steps=max(planned_steps, step), fitted=False)
     state["segment"] = None if step < warmup and reached < (step + 1) / warmup else [step, reached]
     return lr_lambda(step, warmup, state["total_steps"], min_ratio, state["segment"])
+
+
+def latest_meta(ckpt_dir: Path) -> Path | None:
+    """The ``client.json`` of the checkpoint ``<ckpt_dir>/latest`` names; None when there is no complete one."""
+    latest = ckpt_dir / "latest"
+    meta = ckpt_dir / latest.read_text().strip() / "client.json" if latest.exists() else None
+    return meta if meta is not None and meta.exists() else None
+
+
+def checkpoint_per_step(client: dict) -> int:
+    """Micro-batches per optimizer step of a checkpoint (its ``client.json``): world x accumulation."""
+    return client.get("per_step") or client.get("world", 1) * client.get("identity", {}).get("train.grad_accum", 1)
+
+
+def resume_accum(client: dict, world: int, ckpt_dir: Path) -> int:
+    """The accumulation with which ``world`` ranks resume a checkpoint (its ``client.json``) made on another rank
+    count: its micro-batches per step shared equally (:class:`CheckpointMismatchError` when they cannot be)."""
+    per_step, made_on = checkpoint_per_step(client), client["world"]
+    if per_step % world:
+        fits = ", ".join(str(n) for n in range(1, per_step + 1) if per_step % n == 0)
+        raise CheckpointMismatchError(
+            f"the training checkpoints in {ckpt_dir} were made on {made_on} ranks with {per_step} micro-batches per "
+            f"step, which {world} ranks cannot share equally. Resume on {fits} ranks (each accumulating "
+            f"{per_step} / ranks), or add force=[train] to start over (the checkpoints are then deleted)")
+    log(f"[train] the checkpoints were made on {made_on} ranks: on {world} each accumulates {per_step // world} "
+        f"micro-batches per step (train.grad_accum), {per_step} per step as before")
+    return per_step // world
+
+
+def to_universal(ckpt: Path) -> str:
+    """Rank 0 converts checkpoint ``ckpt``, whose ZeRO optimizer shards are split for another rank count, into
+    DeepSpeed's universal format beside it (``universal-<tag>``; DeepSpeed's ``ds_to_universal``, the log in
+    ``universal.log``), which any rank count loads; returns its tag. The others wait."""
+    out, tmp = ckpt.parent / f"universal-{ckpt.name}", ckpt.parent / f"universal-{ckpt.name}.tmp"
+    if dist.is_main() and not out.exists():
+        shutil.rmtree(tmp, ignore_errors=True)  # a conversion a crash cut short
+        log(f"[train] converting {ckpt} to a universal checkpoint (its optimizer shards were split for another "
+            "rank count)")
+        with open(ckpt.parent / "universal.log", "w") as logfile:
+            done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                                   str(ckpt), "--output_folder", str(tmp), "--inject_missing_state"],
+                                  stdout=logfile, stderr=subprocess.STDOUT, check=False)
+        (ckpt.parent / "latest_universal").unlink(missing_ok=True)  # the converter's; `latest` stays ours
+        if done.returncode:
+            raise RuntimeError(f"DeepSpeed's ds_to_universal failed on {ckpt} (log: {ckpt.parent / 'universal.log'}); "
+                               "resume on the rank count the checkpoint was made on, or add force=[train]")
+        os.replace(tmp, out)
+    dist.barrier()
+    return out.name
 
 
 def _remove_checkpoints(ckpt_dir) -> None:
