@@ -41,6 +41,34 @@ class LoggedRun(subprocess.Popen):
         return self.log.read_text(errors="replace")
 
 
+KILL_AFTER = """\
+import importlib, os, runpy, signal, sys
+module, attr, calls = sys.argv[1:4]
+sys.argv = sys.argv[4:]
+owner = importlib.import_module(module)
+*path, name = attr.split(".")
+for part in path:
+    owner = getattr(owner, part)
+real, count = getattr(owner, name), [0]
+def wrapper(*args, **kwargs):
+    out = real(*args, **kwargs)
+    count[0] += 1
+    if count[0] == int(calls):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return out
+setattr(owner, name, wrapper)
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def killed_after(target: str, calls: int = 1) -> list[str]:
+    """A launcher (for :class:`LoggedRun`) whose process SIGKILLs itself, no cleanup, right after the ``calls``-th
+    return of ``target`` ("module:Class.method" or "module:function", as the code calls it): a crash at a chosen
+    point, where killing it from outside raced the child (a few tenths of a second late, the point had passed)."""
+    module, attr = target.split(":")
+    return [sys.executable, "-c", KILL_AFTER, module, attr, str(calls)]
+
+
 def make_cfg(overrides: list[str], tmp: Path | None = None):
     """Compose ``conf/config.yaml`` with overrides, as ``train/run.py`` would (no Hydra run dir)."""
     from train.config import compose

@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 import math
 import random
-import time
+import types
 
 import pytest
 import torch
@@ -34,6 +34,7 @@ from eval import (
     static_tree,
     warp,
 )
+from eval import decoder as decoder_module
 from eval.bench import random_head
 from eval.drafters import MedusaDrafter
 from eval.stage import eos_token_ids
@@ -439,11 +440,12 @@ def test_measure_verify_time_recovers_each_size_s_cost_on_a_swinging_machine(see
 def test_lm_head_layouts_agree_and_are_timed_once_per_row_count(tiny: Setup, monkeypatch):
     decoder = SpecDecoder(tiny.target)   # no layout chosen yet
     assert decoder.plain_head
-    timed, fastest = [], decoder._fastest_layout
+    timed, fastest, now = [], decoder._fastest_layout, [100.0]
+    monkeypatch.setattr(decoder_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))  # a fake clock
 
     def slow_fastest(h):   # choosing takes 0.2 s: the decoder's clock must not see it
         timed.append(len(h))
-        time.sleep(0.2)
+        now[0] += 0.2
         return fastest(h)
 
     monkeypatch.setattr(decoder, "_fastest_layout", slow_fastest)
@@ -452,7 +454,7 @@ def test_lm_head_layouts_agree_and_are_timed_once_per_row_count(tiny: Setup, mon
         h = torch.randn(rows, weight.shape[1])
         start = decoder.clock()
         assert torch.allclose(decoder.logits(h), h @ weight.T, atol=1e-5)
-        assert decoder.clock() - start < 0.1
+        assert decoder.clock() == start and decoder.tuning_s == pytest.approx(0.2 * len(timed))
         assert decoder.layouts[rows] in ("linear", "mm")
         for layout in ("linear", "mm"):
             decoder.layouts[rows] = layout

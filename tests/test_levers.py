@@ -235,10 +235,14 @@ def test_medusa_takes_the_acceptance_objectives(tiny_llama_cfg):
     target = load_target(tiny_llama_cfg)
     head, (ids, states, lengths, mask) = tiny_head_and_batch(target, "medusa")
     view = tiny_view(target, head, states)
+    losses = {}
     for kind in OBJECTIVES:
+        head.zero_grad(set_to_none=True)
         stats = medusa_loss(head, states[:, :, -1], ids, lengths, mask, view, 0.8, "all", kind)
         stats.loss.backward()
-        assert stats.loss.isfinite() and head.blocks[0].layers[0].weight.grad.abs().sum() > 0
+        assert stats.loss.isfinite() and head.blocks[0].layers[0].weight.grad.abs().sum() > 0, kind
+        losses[kind] = round(stats.loss.item(), 6)
+    assert len(set(losses.values())) == len(OBJECTIVES), losses  # each objective its own (not kl six times)
 
 
 # --- head.tap_noise
@@ -365,11 +369,19 @@ def test_feature_loss_adds_each_steps_feature_error_against_the_target_state_it_
 
 
 @pytest.mark.parametrize("head_type", ["eagle3", "medusa"])
-def test_autocast_runs_the_heads_forward_in_bf16_and_keeps_fp32_weights(tiny_llama_cfg, head_type):
+def test_autocast_runs_the_heads_forward_in_bf16_and_keeps_fp32_weights(tiny_llama_cfg, head_type, monkeypatch):
     """``train.autocast=bfloat16``: the head's layers compute in bf16 (the loss moves by bf16 rounding only),
     its weights and their gradients stay float32, and the target's distribution it learns is the same."""
+    import train.loop
     from train.loop import compute
 
+    views, real_view = [], train.loop.target_view
+
+    def spy_view(*args):  # whether autocast was on where the target's distribution was computed, and it
+        views.append((torch.is_autocast_enabled(args[0].device.type), real_view(*args)))
+        return views[-1][1]
+
+    monkeypatch.setattr(train.loop, "target_view", spy_view)
     cfg = make_cfg(["model=tiny-llama", f"head={head_type}"])
     target = load_target(tiny_llama_cfg)
     head, (ids, states, lengths, mask) = tiny_head_and_batch(target, head_type)
@@ -396,6 +408,9 @@ def test_autocast_runs_the_heads_forward_in_bf16_and_keeps_fp32_weights(tiny_lla
     assert all(g.dtype == torch.float32 and g.abs().sum() > 0 for g in mixed_grads)
     cos = F.cosine_similarity(torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in mixed_grads]), 0)
     assert cos > 0.99
+    (exact_autocast, exact_view), (mixed_autocast, mixed_view) = views  # the target's side: outside autocast, equal
+    assert not exact_autocast and not mixed_autocast and mixed_view.log_p.dtype == torch.float32
+    assert torch.equal(exact_view.log_p, mixed_view.log_p)
 
 
 # --- train.ema

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from data.captured import OpenShards
-from tests.conftest import ROOT, LoggedRun, child_env, make_cfg
+from tests.conftest import ROOT, LoggedRun, child_env, killed_after, make_cfg
 from train.extract import Captures, ExtractError
 from train.stages import fingerprint, read_marker, run_stages, stage_dir
 from train.target import load_target
@@ -108,14 +108,11 @@ def test_extract_survives_kill_9(prepared, tmp_path):
     """SIGKILL in the middle of extraction, rerun: complete and identical to an uninterrupted run."""
     cfg = fresh_run(prepared, tmp_path, "extract.shard_mb=0.02", stages=("data",))
     out = stage_dir(cfg, "extract")
-    proc = cli(["stages=[extract]", "extract.shard_mb=0.02"], tmp_path)
-    deadline = time.time() + 300
-    while time.time() < deadline and len(list(out.glob("*.safetensors"))) < 2:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc = cli(["stages=[extract]", "extract.shard_mb=0.02"], tmp_path, killed_after("train.extract:_durable_replace", 2))
+    output = proc.output(300)
+    assert proc.returncode == -signal.SIGKILL, output[-3000:]
     written = len(list(out.glob("*.safetensors")))
-    assert written >= 2 and not (out / "manifest.json").exists()
+    assert written == 2 and not (out / "manifest.json").exists()
     run_stages(make_cfg([*BASE, f"output_root={tmp_path}", "stages=[extract]", "extract.shard_mb=0.02"]))
     resumed = Captures(out)
     resumed.files.limit = 2  # fewer handles than shards: read through evictions
@@ -228,12 +225,9 @@ def test_resume_continues_with_the_same_losses(prepared, tmp_path, average):
 
     crashed = fresh_run(prepared, tmp_path / "b", "stages=[train]", *average)
     ckpt = stage_dir(crashed, "train") / "checkpoints"
-    proc = cli(["stages=[train]", *average], tmp_path / "b")
-    deadline = time.time() + 600
-    while time.time() < deadline and not (ckpt / "latest").exists():
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc = cli(["stages=[train]", *average], tmp_path / "b", killed_after("train.loop:Trainer.checkpoint"))  # step 3's
+    output = proc.output(600)
+    assert proc.returncode == -signal.SIGKILL, output[-3000:]
     assert (ckpt / "latest").read_text().strip() == "step0000003"
     run_stages(crashed)
     resumed = metrics(crashed)
@@ -245,13 +239,15 @@ def test_resume_continues_with_the_same_losses(prepared, tmp_path, average):
 
 
 def test_offline_training_never_loads_the_whole_target(prepared, tmp_path, monkeypatch):
-    """Train (offline) and export read the embedding, lm_head and final norm from the target's files."""
-    import train.loop
+    """Train (offline) and export read the embedding, lm_head and final norm from the target's files: no stage
+    builds the model (refused at its source, whichever module would call it)."""
+    from transformers import AutoModelForCausalLM, PreTrainedModel
 
     def refuse(*_, **__):
         raise AssertionError("the whole target was loaded")
 
-    monkeypatch.setattr(train.loop, "load_target", refuse)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", refuse)
     cfg = fresh_run(prepared, tmp_path, "stages=[train,export]", "train.max_steps=2")
     run_stages(cfg)
     assert (stage_dir(cfg, "export") / "vllm" / "model.safetensors").exists()
@@ -508,10 +504,9 @@ def test_time_budget_fits_the_schedule_and_stops(prepared, tmp_path):
     # patience off: only the budget stops the run (epochs of 24 rows end in early stopping on a slow machine)
     cfg = fresh_run(prepared, tmp_path, "stages=[train]", "train.max_steps=100000", "train.max_minutes=0.15",
                     "train.patience=100000")
-    start = time.time()
     run_stages(cfg)
     summary = json.loads((stage_dir(cfg, "train") / "summary.json").read_text())
-    assert summary["steps"] < 100000 and time.time() - start < 120
+    assert summary["steps"] < 100000  # stopped by the budget
     lrs = [m["lr"] for m in metrics(cfg)]
     assert lrs[-1] < 0.5 * max(lrs)  # the cosine reached its end within the budget
 

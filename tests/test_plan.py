@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -19,18 +18,16 @@ GiB = 2**30
 
 @pytest.mark.parametrize("model", ["qwen2.5-7b", "llama3.1-8b"])
 def test_plan_cli_offline_without_weights(model, tmp_path):
-    """`plan=true` prints every stage for a 7-8B preset offline, from the shipped config snapshot, in
-    seconds and without loading weights (the process stays far below the weights' size)."""
+    """`plan=true` prints every stage for a 7-8B preset offline, from the shipped config snapshot,
+    without loading weights (the process stays far below the weights' size)."""
     script = ("import runpy, sys; sys.argv = sys.argv[1:]\n"
               "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
               "finally:\n    from train.log import peak_rss_gib\n    print('MAXRSS', peak_rss_gib())")
     env = child_env(HF_HOME=str(tmp_path / "hf"))   # an empty HF cache
-    start = time.time()
     out = subprocess.run([sys.executable, "-c", script, str(ROOT / "train/run.py"), f"model={model}", "head=eagle3",
                           "train=full", "plan=true", "tracking=none", f"output_root={tmp_path}"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert time.time() - start < 30
     text = out.stdout
     params = {"qwen2.5-7b": "7.62B", "llama3.1-8b": "8.03B"}[model]
     hidden = {"qwen2.5-7b": 3584, "llama3.1-8b": 4096}[model]

@@ -8,6 +8,7 @@ scripts/gpu_check.sh is meant for a GPU (its CPU smoke run: EXTRA in its header)
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -179,6 +180,21 @@ def test_compare_heads(source, tmp_path):
     assert proc.returncode != 0 and "the heads are ['medusa'], the run read is eagle3" in proc.stderr
 
 
+def test_the_paired_interval_resamples_rows_together():
+    """compare_heads.py's bootstrap: tau(a) - tau(b) over rows drawn together. Heads one accepted token apart on
+    every pass of uneven rows differ by exactly 1 in every resample (drawn apart, the rows' spread would widen
+    it); swapped, the interval is negated; heads that trade wins row by row get an interval around 0."""
+    spec = importlib.util.spec_from_file_location("compare_heads", SCRIPTS / "compare_heads.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    b = [[2, 0], [0], [4, 4, 3], [0, 1]]
+    a = [[x + 1 for x in row] for row in b]
+    assert module.paired_interval(a, b, 500) == pytest.approx((1.0, 1.0))
+    low, high = module.paired_interval([[2], [0], [1], [1]] * 5, [[0], [2], [1], [1]] * 5, 2000)
+    assert low < 0 < high and (low, high) == pytest.approx(tuple(-x for x in module.paired_interval(
+        [[0], [2], [1], [1]] * 5, [[2], [0], [1], [1]] * 5, 2000)[::-1]))
+
+
 def test_compare_heads_reads_the_taps_each_head_was_trained_on(source, tmp_path):
     """An EAGLE-3 head tapping other layers than the run's extract is scored on its own run's states: the
     figures its train stage saved with it (the run's states would feed it the wrong layers, silently)."""
@@ -198,9 +214,12 @@ def test_compare_heads_reads_the_taps_each_head_was_trained_on(source, tmp_path)
         heads[name] = stage_dir(cfg, "train") / "head"
     out = run_script("compare_heads.py", str(heads["taps"]), str(heads["default"]), *overrides,
                      f"run_dir={tmp_path / 'default'}")
-    for head in heads.values():
-        saved = json.loads((head / "metrics.json").read_text())
-        assert re.search(rf"^{re.escape(str(head))}\s+{saved['sim_tau']:.3f}\s+{saved['decode_tau']:.3f}\s", out, re.M), out
+    saved = {name: json.loads((head / "metrics.json").read_text()) for name, head in heads.items()}
+    for name, head in heads.items():
+        assert re.search(rf"^{re.escape(str(head))}\s+{saved[name]['sim_tau']:.3f}\s+{saved[name]['decode_tau']:.3f}\s",
+                         out, re.M), out
+    diff = float(re.search(r"first - second: ([+-][0-9.]+)", out).group(1))
+    assert diff == pytest.approx(saved["taps"]["decode_tau"] - saved["default"]["decode_tau"], abs=1.5e-3)
     marker = heads["taps"].parents[1] / "data" / MARKER  # the taps run's data made other: refused, naming why
     marker.write_text(json.dumps({**json.loads(marker.read_text()), "output_id": "other"}))
     proc = subprocess.run([sys.executable, str(SCRIPTS / "compare_heads.py"), str(heads["taps"]), str(heads["default"]),
