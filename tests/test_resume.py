@@ -539,39 +539,67 @@ def test_validation_rows_are_dealt_among_the_ranks_once_each_with_balanced_token
     assert train.loop.validation_share(lengths, rows[:3], 5, 8) == []   # more ranks than rows: some score none
 
 
-def test_a_waiting_rank_stops_when_rank0_stops_beating_or_hangs(tmp_path):
+def test_a_waiting_rank_stops_when_rank0_stops_beating_or_hangs(tmp_path, monkeypatch):
     """The other ranks wait for a rank-0-only stage's marker as long as rank 0's heartbeat changes (here past
     the staleness limit) and its progress bars move (here past hang_minutes), and stop with an error naming
     it once it no longer beats (rank 0 killed without a word, which a launcher on another node does not see) or
-    beats without progress (hung: its heartbeat thread alone runs)."""
-    import threading
-
-    from train.log import progress
-
+    beats without progress (hung: its heartbeat thread alone runs). On a fake clock: the waiting rank's polls
+    drive rank 0's beats, so a stalled test process cannot pass for a stalled rank 0."""
     cfg = OmegaConf.create({"run_dir": str(tmp_path), "hang_minutes": 0.01})   # 0.6 s
     folder = stage_dir(cfg, "eval")
     folder.mkdir()
-    done = lambda: (folder / stages.MARKER).write_text(json.dumps({"fingerprint": "fp"}))  # noqa: E731
+    now, rank0 = [0.0], {"beats": True, "works_until": 1.5, "done_at": 1.2, "count": 0}
 
-    def work(seconds: float) -> None:
-        bar = progress(total=1000)
-        for _ in range(int(seconds / 0.05)):
-            time.sleep(0.05)
-            bar.update()
+    def poll(seconds: float) -> None:  # time passes; rank 0 beats (with its steps) and finishes as scripted
+        now[0] += seconds
+        assert now[0] < 100, "waited forever"
+        if rank0["beats"]:
+            rank0["count"] += 1
+            steps = min(now[0], rank0["works_until"]) // 0.05
+            (folder / stages.ALIVE).write_text(f"{rank0['count']} {steps:.0f}")
+        if now[0] >= rank0["done_at"] and not (folder / stages.MARKER).exists():
+            (folder / stages.MARKER).write_text(json.dumps({"fingerprint": "fp"}))
+            rank0["done_at"] = float("inf")
 
-    with stages.heartbeat(folder / stages.ALIVE, 0.05):
-        threading.Thread(target=work, args=(1.5,)).start()
-        threading.Timer(1.2, done).start()
-        start = time.monotonic()
-        assert stages.wait_for_marker(cfg, "eval", "fp", poll_s=0.02, stale_s=0.3) == {"fingerprint": "fp"}
-        assert time.monotonic() - start > 1.1
-        (folder / stages.MARKER).unlink()
-        time.sleep(0.4)   # the worker's last steps
-        start = time.monotonic()
-        with pytest.raises(RuntimeError, match=r"rank 0 is alive but has made no progress working on stage 'eval' "
-                                               r"for 1 s \(hang_minutes\): hung .* A rerun resumes"):
-            stages.wait_for_marker(cfg, "eval", "fp", poll_s=0.02, stale_s=0.3)
-        assert time.monotonic() - start > 0.55
+    monkeypatch.setattr(stages, "time", types.SimpleNamespace(monotonic=lambda: now[0], sleep=poll))
+    assert stages.wait_for_marker(cfg, "eval", "fp", poll_s=0.02, stale_s=0.3) == {"fingerprint": "fp"}
+    assert now[0] >= 1.2  # waited past the staleness limit while rank 0 beat and worked
+    (folder / stages.MARKER).unlink()
+    start = now[0]  # 1.2 s: rank 0 beats on, its steps stop at 1.5 s
+    with pytest.raises(RuntimeError, match=r"rank 0 is alive but has made no progress working on stage 'eval' "
+                                           r"for 1 s \(hang_minutes\): hung .* A rerun resumes"):
+        stages.wait_for_marker(cfg, "eval", "fp", poll_s=0.02, stale_s=0.3)
+    assert now[0] == pytest.approx(1.5 + 0.6, abs=0.08)  # hang_minutes after its last step, not sooner
+    rank0["beats"], start = False, now[0]
     with pytest.raises(RuntimeError, match=r"rank 0 stopped working on stage 'eval': its heartbeat .*_alive has not "
                                            r"changed for 0 s .* A rerun resumes"):
         stages.wait_for_marker(cfg, "eval", "fp", poll_s=0.02, stale_s=0.3)
+    assert 0.3 < now[0] - start < 0.4
+
+
+def test_the_heartbeat_carries_a_rising_count_and_the_progress_bars_steps(tmp_path):
+    """What rank 0 beats (:func:`train.stages.heartbeat`): a counter that rises and its progress bars' updates;
+    the file is gone once its block ends. Event-driven: waits for each beat, asserts no timing."""
+    from train.log import progress
+
+    path = tmp_path / stages.ALIVE
+
+    def next_beat(after: str | None) -> str:
+        for _ in range(2000):  # up to ~20 s of a stalled machine
+            beat = path.read_text() if path.exists() else None
+            if beat is not None and beat != after:
+                return beat
+            time.sleep(0.01)
+        raise AssertionError("no beat")
+
+    with stages.heartbeat(path, 0.01):
+        first = next_beat(None)
+        bar = progress(total=10)
+        for _ in range(3):
+            bar.update()
+        beat = first
+        while beat.split()[1] == first.split()[1]:
+            beat = next_beat(beat)
+        bar.close()
+        assert int(beat.split()[0]) > int(first.split()[0]) and int(beat.split()[1]) == int(first.split()[1]) + 3
+    assert not path.exists()
