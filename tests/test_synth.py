@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -318,7 +319,17 @@ def test_synth_through_a_server_is_seeded_concurrent_and_resumes(tmp_path):
     from tests.test_regen_backends import Stub
 
     tok = _build_tiny_tokenizer("chatml")
-    stub = Stub(None, 0, text=lambda ids: tok.decode(ids, skip_special_tokens=True), delay_s=0.2,
+    held = []
+
+    def until_five_in_flight(body: dict) -> float:  # the first requests are held until 5 are in flight, or 10 s
+        if not held:
+            deadline = time.monotonic() + 10
+            while stub.in_flight < 5 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            held.append(stub.in_flight >= 5)
+        return 0.0
+
+    stub = Stub(None, 0, text=lambda ids: tok.decode(ids, skip_special_tokens=True), delay_s=until_five_in_flight,
                 answer=pool_answers(tok))
     try:
         def run(path, **kw):
@@ -334,7 +345,7 @@ def test_synth_through_a_server_is_seeded_concurrent_and_resumes(tmp_path):
         assert all(r["max_tokens"] == 128 and r["temperature"] == 1.0 and end_of_turn in r["stop_token_ids"]
                    for r in asked)
         assert len({r["seed"] for r in asked}) == len(asked)
-        assert stub.most_in_flight > 4  # more than one batch of 4 in flight (concurrency 8: two batches at once)
+        assert held[0] and stub.most_in_flight > 4  # more than one batch of 4 in flight (concurrency 8: two at once)
         stub.requests.clear()
         assert run(tmp_path / "a.jsonl")[0] == kept and not stub.requests  # replayed from the cache
         assert run(tmp_path / "b.jsonl")[0] == kept                        # the same seed: the same prompts
@@ -351,13 +362,19 @@ def test_a_slow_answer_does_not_idle_the_server(tmp_path):
     from tests.test_regen_backends import Stub
 
     tok = _build_tiny_tokenizer("chatml")
-    first = {}
+    first, made = {}, {}
 
-    def delay(body: dict) -> float:
-        return 2.0 if first.setdefault("seed", body["seed"]) == body["seed"] else 0.0
+    def delay(body: dict) -> float:  # the first request is held until 12 more have come, or 30 s
+        if first.setdefault("seed", body["seed"]) == body["seed"]:
+            deadline = time.monotonic() + 30
+            while len(made["stub"].arrived) < 13 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            first["others"] = len(made["stub"].arrived) - 1
+        return 0.0
 
     def run(path, **kw):
-        stub = Stub(None, 0, text=lambda ids: tok.decode(ids, skip_special_tokens=True), answer=pool_answers(tok), **kw)
+        stub = made["stub"] = Stub(None, 0, text=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                                   answer=pool_answers(tok), **kw)
         try:
             return synth.synthesize(synth.ServerWriter(OpenAIClient(stub.url, None, 30, 0, 8), None), tok,
                                     settings(n=20), path)[0], stub
@@ -365,9 +382,7 @@ def test_a_slow_answer_does_not_idle_the_server(tmp_path):
             stub.close()
 
     kept, stub = run(tmp_path / "slow.jsonl", delay_s=delay)
-    start = stub.arrived[0]
-    during = sum(start < t < start + 1.5 for t in stub.arrived)
-    assert during >= 12  # 3 more batches of 4 (rounds of 2 batches waiting for their slowest: 7 more requests)
+    assert first["others"] >= 12  # 3 more batches of 4 (rounds of 2 batches waiting for their slowest: 7 more requests)
     assert kept == run(tmp_path / "even.jsonl")[0]
 
 
