@@ -66,6 +66,33 @@ def medusa_export(cfg_factory):
     return cfg, target, head
 
 
+def engine_shapes(fmt: str, T, draft_vocab: int, medusa_heads: int = 3) -> dict[str, tuple[int, ...]]:
+    """The tensors an engine loads from export ``fmt`` of a head on target config ``T``, written out from the
+    target's shapes, not from the exporter's own table (:func:`train.export.expected_tensors`, which it checks
+    itself): EAGLE-3, one decoder layer whose q/k/v read [embedding, feature] (2H), fc over three taps, the draft
+    vocabulary's lm_head and its map (left out of vLLM's formats over the whole vocabulary); Medusa, one residual
+    block per head and full-vocabulary lm_heads."""
+    H, V = T.hidden_size, T.vocab_size
+    if fmt == "medusa":
+        return {name: shape for h in range(medusa_heads) for name, shape in (
+            (f"blocks.{h}.layers.0.weight", (H, H)), (f"blocks.{h}.layers.0.bias", (H,)),
+            (f"lm_heads.{h}.weight", (V, H)))}
+    d = getattr(T, "head_dim", None) or H // T.num_attention_heads
+    q, kv, inter = T.num_attention_heads * d, T.num_key_value_heads * d, T.intermediate_size
+    layer = {"input_layernorm.weight": (H,), "hidden_norm.weight": (H,), "post_attention_layernorm.weight": (H,),
+             "self_attn.q_proj.weight": (q, 2 * H), "self_attn.k_proj.weight": (kv, 2 * H),
+             "self_attn.v_proj.weight": (kv, 2 * H), "self_attn.o_proj.weight": (H, q),
+             "mlp.gate_proj.weight": (inter, H), "mlp.up_proj.weight": (inter, H), "mlp.down_proj.weight": (H, inter)}
+    prefix = "layers.0" if fmt == "speculators" else "midlayer"
+    out = {"fc.weight": (H, 3 * H), "norm.weight": (H,), "lm_head.weight": (draft_vocab, H),
+           **{f"{prefix}.{k}": v for k, v in layer.items()}}
+    if fmt == "sglang" or draft_vocab != V:
+        out.update({"d2t": (draft_vocab,), "t2d": (V,)})
+    if fmt == "speculators":
+        out["embed_tokens.weight"] = (V, H)
+    return out
+
+
 def read(cfg, fmt):
     folder = stage_dir(cfg, "export") / fmt
     return folder, json.loads((folder / "config.json").read_text()), load_file(str(folder / "model.safetensors"))
@@ -74,23 +101,10 @@ def read(cfg, fmt):
 def test_eagle3_formats_names_shapes_dtypes_flags(eagle_export):
     cfg, target, head = eagle_export
     ours = head.config.aux_layers
-    # What the engines load, written out from the target's shapes (not from the exporter's own table): one decoder
-    # layer whose q/k/v read [embedding, feature] (2H), fc over three taps, the draft vocabulary's lm_head and maps.
-    T = target.config
-    H, inter, V, d = T.hidden_size, T.intermediate_size, T.vocab_size, T.hidden_size // T.num_attention_heads
-    q, kv = T.num_attention_heads * d, T.num_key_value_heads * d
-    layer = {"input_layernorm.weight": (H,), "hidden_norm.weight": (H,), "post_attention_layernorm.weight": (H,),
-             "self_attn.q_proj.weight": (q, 2 * H), "self_attn.k_proj.weight": (kv, 2 * H),
-             "self_attn.v_proj.weight": (kv, 2 * H), "self_attn.o_proj.weight": (H, q),
-             "mlp.gate_proj.weight": (inter, H), "mlp.up_proj.weight": (inter, H), "mlp.down_proj.weight": (H, inter)}
-    common = {"fc.weight": (H, 3 * H), "norm.weight": (H,), "lm_head.weight": (64, H), "d2t": (64,), "t2d": (V,)}
-    engines = {"vllm": {**common, **{f"midlayer.{k}": v for k, v in layer.items()}},
-               "sglang": {**common, **{f"midlayer.{k}": v for k, v in layer.items()}},
-               "speculators": {**common, **{f"layers.0.{k}": v for k, v in layer.items()}, "embed_tokens.weight": (V, H)}}
     for fmt in ("vllm", "sglang", "speculators"):
         folder, config, tensors = read(cfg, fmt)
-        assert {k: tuple(t.shape) for k, t in tensors.items()} == engines[fmt], fmt
-        assert {k: v[0] for k, v in expected_tensors(fmt, head).items()} == engines[fmt], fmt  # the exporter's check
+        assert {k: tuple(t.shape) for k, t in tensors.items()} == engine_shapes(fmt, target.config, 64), fmt
+        assert {k: v[0] for k, v in expected_tensors(fmt, head).items()} == engine_shapes(fmt, target.config, 64)
         for name, t in tensors.items():
             assert t.dtype == {"d2t": torch.int64, "t2d": torch.bool}.get(name, torch.bfloat16), name
         assert "README.md" in {p.name for p in folder.iterdir()}

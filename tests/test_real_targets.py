@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from heads.io import head_config
 from tests.conftest import make_cfg
+from tests.test_export import engine_shapes
 from train.export import FORMATS, check_tensors, expected_tensors, import_export
 from train.stages import run_stages, stage_dir
 from train.target import load_config, load_target, load_tokenizer, load_weights
@@ -46,6 +47,7 @@ def test_twin_runs_every_stage_and_exports_completely(twin, head, tmp_path):
         tensors = load_file(str(folder / "model.safetensors"))
         again = import_export(folder, fmt, target)
         check_tensors(fmt, tensors, expected_tensors(fmt, again), torch.bfloat16)
+        assert {k: tuple(t.shape) for k, t in tensors.items()} == engine_shapes(fmt, config, cfg.head.draft_vocab_size)
         vocab_rows = tensors["t2d"] if head == "eagle3" else tensors["lm_heads.0.weight"]
         assert vocab_rows.shape[0] == config.vocab_size
         if head == "eagle3":
