@@ -389,13 +389,14 @@ def test_two_ranks_train_like_one(prepared, tmp_path):
 
 @pytest.mark.slow
 def test_a_run_resumes_on_another_rank_count(prepared, tmp_path):
-    """A ZeRO-1 run checkpointed on 2 ranks resumes on 1 (a node lost) and then on 2 again: each time with the
-    accumulation that keeps 2 micro-batches per step, the optimizer's shards converted to DeepSpeed's universal
-    format; the head equals one trained on 1 rank x accumulation 2 through the same three runs (they used to be
-    refused: the work thrown away or waited for)."""
+    """A ZeRO-1 run checkpointed on 2 ranks resumes on 1 (a node lost), again on 1, then on 2: each time with the
+    accumulation that keeps 2 micro-batches per step (the second 1-rank run too: its checkpoint records 2 per step,
+    not the config's accumulation), the optimizer's shards converted to DeepSpeed's universal format where the rank
+    count changed; the head equals one trained on 1 rank x accumulation 2 through the same four runs (they used to
+    be refused: the work thrown away or waited for)."""
     zero = ["stages=[train]", "train.zero_stage=1", "train.checkpoint_every=2"]
     one = fresh_run(prepared, tmp_path / "one", *zero, "train.grad_accum=2")
-    for steps in (2, 4, 6):
+    for steps in (2, 4, 6, 8):
         run_stages(make_cfg([*BASE, f"output_root={tmp_path / 'one'}", *zero, "train.grad_accum=2",
                              f"train.max_steps={steps}"]))
     moved = fresh_run(prepared, tmp_path / "moved", *zero)
@@ -405,17 +406,19 @@ def test_a_run_resumes_on_another_rank_count(prepared, tmp_path):
     assert proc.returncode == 0, output[-3000:]
     ckpt = stage_dir(moved, "train") / "checkpoints"
     assert len(list((ckpt / "step0000002").glob("*optim_states.pt"))) == 2  # ZeRO shards, one per rank
-    run_stages(make_cfg([*BASE, f"output_root={tmp_path / 'moved'}", *zero, "train.max_steps=4"]))
-    assert len(list((ckpt / "step0000004").glob("*optim_states.pt"))) == 1
-    proc = cli([*zero, "train.max_steps=6"], tmp_path / "moved", deepspeed)
+    for steps in (4, 6):
+        run_stages(make_cfg([*BASE, f"output_root={tmp_path / 'moved'}", *zero, f"train.max_steps={steps}"]))
+        client = json.loads((ckpt / f"step000000{steps}" / "client.json").read_text())
+        assert (client["world"], client["per_step"]) == (1, 2)
+        assert len(list((ckpt / f"step000000{steps}").glob("*optim_states.pt"))) == 1
+    proc = cli([*zero, "train.max_steps=8"], tmp_path / "moved", deepspeed)
     output = proc.output(900)
     assert proc.returncode == 0, output[-3000:]
-    assert "made on 1 ranks: on 2 each accumulates 1 micro-batches" in output and "world 2 x accumulation 1" in output
-    assert "to a universal checkpoint" in output
-    assert not list(ckpt.glob("universal-*")) and json.loads((ckpt / "step0000006" / "client.json").read_text())[
+    assert "world 2 x accumulation 1" in output and "to a universal checkpoint" in output
+    assert not list(ckpt.glob("universal-*")) and json.loads((ckpt / "step0000008" / "client.json").read_text())[
         "world"] == 2
     for run in (one, moved):
-        assert json.loads((stage_dir(run, "train") / "summary.json").read_text())["steps"] == 6
+        assert json.loads((stage_dir(run, "train") / "summary.json").read_text())["steps"] == 8
     torch.testing.assert_close(load_file(str(stage_dir(moved, "train") / "head/model.safetensors")),
                                load_file(str(stage_dir(one, "train") / "head/model.safetensors")),
                                rtol=1e-4, atol=1e-5)

@@ -177,6 +177,49 @@ def test_another_rank_count_resumes_with_the_same_micro_batches_per_step(tmp_pat
     assert train.loop.resume_accum({"world": 4, "identity": {"train.grad_accum": 3}}, 6, tmp_path) == 2
 
 
+def test_muon_shards_of_another_rank_count_are_refused_and_kept(prepared, tmp_path):
+    """DeepSpeed's universal conversion knows Adam's moments only: ZeRO shards of a Muon run made on another rank
+    count are refused before any work, naming the rank count and force; nothing is deleted."""
+    cfg = fresh_run(prepared, tmp_path, "stages=[train]", "train.zero_stage=1", "train.optimizer=muon",
+                    "train.max_steps=3")
+    run_stages(cfg)
+    ckpt = stage_dir(cfg, "train") / "checkpoints"
+    meta = ckpt / (ckpt / "latest").read_text().strip() / "client.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "world": 2, "per_step": 2}))  # as if made on 2 ranks
+    (stage_dir(cfg, "train") / stages.MARKER).unlink()
+    tags = sorted(p.name for p in ckpt.iterdir())
+    with pytest.raises(train.loop.CheckpointMismatchError, match=r"made on 2 ranks with train.optimizer=muon.*resume "
+                                                                r"on 2 ranks, or add force=\[train\]"):
+        run_stages(make_cfg([*BASE, f"output_root={tmp_path}", "stages=[train]", "train.zero_stage=1",
+                             "train.optimizer=muon", "train.max_steps=6"]))
+    assert sorted(p.name for p in ckpt.iterdir()) == tags
+
+
+def test_a_conversion_for_another_rank_count_that_cannot_run_says_why(prepared, tmp_path, monkeypatch):
+    """Converting ZeRO shards of another rank count: refused before any work when the disk cannot hold its
+    fragments and result (naming the GiB and the way out); a converter failure names its log, leaves the failure
+    file the other ranks poll for, and no universal copy a rerun would load."""
+    base = ["stages=[train]", "train.zero_stage=1"]
+    cfg = fresh_run(prepared, tmp_path, *base, "train.max_steps=3")
+    run_stages(cfg)
+    ckpt = stage_dir(cfg, "train") / "checkpoints"
+    tag = ckpt / (ckpt / "latest").read_text().strip()
+    (tag / "client.json").write_text(json.dumps({**json.loads((tag / "client.json").read_text()), "world": 2,
+                                                 "per_step": 2}))  # as if made on 2 ranks x 1
+    (stage_dir(cfg, "train") / stages.MARKER).unlink()
+    again = make_cfg([*BASE, f"output_root={tmp_path}", *base, "train.max_steps=6"])
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1024))
+    with pytest.raises(train.loop.CheckpointMismatchError, match=r"needs ~0\.\d GiB free beside it and 0\.0 GiB are"):
+        run_stages(again)
+    monkeypatch.setattr(shutil, "disk_usage", real)
+    assert not list(ckpt.glob("universal-*")) and (ckpt / "universal.failed").exists()  # the others stop too
+    next(tag.glob("*optim_states.pt")).write_bytes(b"torn")
+    with pytest.raises(RuntimeError, match=r"ds_to_universal failed .*universal\.log"):
+        run_stages(again)
+    assert (ckpt / "universal.failed").exists() and not (ckpt / f"universal-{tag.name}").exists()
+
+
 def test_latest_names_a_checkpoint_only_once_every_rank_has_written_it(prepared, tmp_path, monkeypatch):
     """A crash while a checkpoint is being written (another rank still writing its optimizer shard) leaves
     `latest` on the previous, complete one: the run resumes from it."""

@@ -38,7 +38,7 @@ from data.stage import load_dataset, row_lengths
 from data.vocab import build_vocab, coverage
 from heads.frozen import TargetWeights
 from heads.io import build_head, head_config, save_head
-from train import dist
+from train import dist, stages
 from train.errors import ConfigError, UserError
 from train.extract import Captures, ExtractError, batches, capture, capture_layers
 from train.log import log, peak_rss_gib, progress
@@ -546,18 +546,29 @@ class Trainer:
 
     def fit_to_checkpoint(self) -> tuple[DictConfig, bool]:
         """The ``train`` settings to resume the latest checkpoint with, and whether its optimizer shards are loaded
-        as a universal checkpoint. Made on another rank count (a node lost, a job moved), it is resumed with the
-        accumulation that keeps its micro-batches per step (world x ``train.grad_accum``): the same rows in each
-        step, the same schedule and step count; its ZeRO optimizer shards, split for the old rank count, are
-        converted to DeepSpeed's universal format (:func:`to_universal`)."""
+        as a universal checkpoint. Made with other micro-batches per step than world x ``train.grad_accum`` gives
+        here (another rank count: a node lost, a job moved, or a run resumed so before), and ``train.grad_accum``
+        left as it was, it is resumed with the accumulation that keeps them: the same rows in each step, the same
+        schedule and step count. ZeRO optimizer shards split for another rank count are converted to DeepSpeed's
+        universal format (:func:`to_universal`). A ``train.grad_accum`` changed on purpose is refused by
+        :meth:`resume` (a result key)."""
         tcfg = self.cfg.train
         meta = latest_meta(self.ckpt_dir)
         client = dist.broadcast(json.loads(meta.read_text()) if dist.is_main() and meta else None)
-        if client is None or "train" in self.cfg.force or client.get("world", self.world) == self.world:
+        if client is None or "train" in self.cfg.force:
             return tcfg, False
-        accum = resume_accum(client, self.world, self.ckpt_dir)
+        accum = tcfg.grad_accum
+        if (checkpoint_per_step(client) != self.world * accum
+                and client.get("identity", {}).get("train.grad_accum", accum) == accum):
+            accum = resume_accum(client, self.world, self.ckpt_dir)
         shards = dist.broadcast(any(meta.parent.glob("*optim_states.pt")) if dist.is_main() else None)
-        return OmegaConf.merge(tcfg, {"grad_accum": accum}), shards
+        universal = shards and client.get("world", self.world) != self.world
+        if universal and tcfg.optimizer == "muon":
+            raise CheckpointMismatchError(
+                f"the training checkpoints in {self.ckpt_dir} were made on {client['world']} ranks with "
+                "train.optimizer=muon, whose ZeRO shards DeepSpeed's universal conversion cannot read (it knows "
+                f"Adam's moments only): resume on {client['world']} ranks, or add force=[train] to start over")
+        return (tcfg if accum == tcfg.grad_accum else OmegaConf.merge(tcfg, {"grad_accum": accum})), universal
 
     def lr_ratio(self, step: int) -> float:
         """The learning-rate multiplier at ``step`` under the current plan (``state`` changes when refitted)."""
@@ -596,8 +607,10 @@ class Trainer:
                 f"old value(s) back to resume")
         tag = to_universal(meta.parent) if self.universal else meta.parent.name
         _, client = self.engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=False)
-        if self.universal:
-            _remove_checkpoints(ckpt_dir / tag)  # a converted copy: the next checkpoint is saved for this rank count
+        dist.barrier()
+        if self.universal and dist.is_main():  # a converted copy: the next checkpoint is saved for this rank count;
+            os.replace(ckpt_dir / tag, ckpt_dir / f"{tag}.old")  # renamed first, a crash while deleting leaves
+            shutil.rmtree(ckpt_dir / f"{tag}.old")                 # no partial copy that a rerun would load
         state.update(client["state"])
         rng = client["rng"]
         if not isinstance(rng, list) or self.rank < len(rng):  # one per rank (a dict: made before); a rank added
@@ -831,7 +844,7 @@ class Trainer:
                    "data": {"rows": len(self.data.lengths), "tokens": sum(self.data.lengths)},  # the training rows used
                    "draft_vocab_size": self.model.d2t.numel(),
                    "peak_rss_gib": round(peak_rss_gib(), 2), "history": state["history"],
-                   "config": OmegaConf.to_container(self.cfg.train, resolve=True)}
+                   "config": OmegaConf.to_container(self.tcfg, resolve=True)}
         if dist.is_main():
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
         self.tracker.summary({f"best/{k}": v for k, v in best.items() if isinstance(v, (int, float))})
@@ -907,31 +920,59 @@ def resume_accum(client: dict, world: int, ckpt_dir: Path) -> int:
             f"the training checkpoints in {ckpt_dir} were made on {made_on} ranks with {per_step} micro-batches per "
             f"step, which {world} ranks cannot share equally. Resume on {fits} ranks (each accumulating "
             f"{per_step} / ranks), or add force=[train] to start over (the checkpoints are then deleted)")
-    log(f"[train] the checkpoints were made on {made_on} ranks: on {world} each accumulates {per_step // world} "
-        f"micro-batches per step (train.grad_accum), {per_step} per step as before")
+    log(f"[train] the checkpoints were made with {per_step} micro-batches per step ({made_on} ranks): on {world} "
+        f"ranks each accumulates {per_step // world} (train.grad_accum), the same rows per step")
     return per_step // world
 
 
 def to_universal(ckpt: Path) -> str:
     """Rank 0 converts checkpoint ``ckpt``, whose ZeRO optimizer shards are split for another rank count, into
-    DeepSpeed's universal format beside it (``universal-<tag>``; DeepSpeed's ``ds_to_universal``, the log in
-    ``universal.log``), which any rank count loads; returns its tag. The others wait."""
-    out, tmp = ckpt.parent / f"universal-{ckpt.name}", ckpt.parent / f"universal-{ckpt.name}.tmp"
+    DeepSpeed's universal format beside it (``universal-<tag>``; DeepSpeed's ``ds_to_universal``, its log in
+    ``universal.log``), which any rank count loads; returns its tag. The other ranks poll for it, no collective
+    held open (minutes at 8B on a shared file system), and stop with rank 0: its failure file, or its heartbeat
+    gone still (:class:`train.stages.Pulse`)."""
+    root = ckpt.parent
+    out, tmp, failed = root / f"universal-{ckpt.name}", root / f"universal-{ckpt.name}.tmp", root / "universal.failed"
     if dist.is_main() and not out.exists():
+        failed.unlink(missing_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a conversion a crash cut short
-        log(f"[train] converting {ckpt} to a universal checkpoint (its optimizer shards were split for another "
-            "rank count)")
-        with open(ckpt.parent / "universal.log", "w") as logfile:
-            done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                                   str(ckpt), "--output_folder", str(tmp), "--inject_missing_state"],
-                                  stdout=logfile, stderr=subprocess.STDOUT, check=False)
-        (ckpt.parent / "latest_universal").unlink(missing_ok=True)  # the converter's; `latest` stays ours
-        if done.returncode:
-            raise RuntimeError(f"DeepSpeed's ds_to_universal failed on {ckpt} (log: {ckpt.parent / 'universal.log'}); "
-                               "resume on the rank count the checkpoint was made on, or add force=[train]")
+        with stages.heartbeat(root / "universal.alive", stages.HEARTBEAT_S):
+            try:
+                convert_to_universal(ckpt, tmp)
+            except Exception as e:
+                failed.write_text(str(e))
+                raise
         os.replace(tmp, out)
+    pulse = stages.Pulse(root / "universal.alive")
+    while not out.exists():
+        if failed.exists():
+            raise RuntimeError(f"rank 0 failed to convert {ckpt} (see its log); this rank stops too")
+        if why := pulse.problem("rank 0", f"converting {ckpt}"):
+            raise RuntimeError(why)
+        time.sleep(2.0)
     dist.barrier()
     return out.name
+
+
+def convert_to_universal(ckpt: Path, out: Path) -> None:
+    """DeepSpeed's ``ds_to_universal`` on ``ckpt`` into ``out`` (a subprocess: its worker pool forks), after a
+    check that the disk holds its fragments and result (~twice the optimizer shards)."""
+    shards = sum(f.stat().st_size for f in ckpt.iterdir() if f.name.endswith("optim_states.pt"))
+    need, free = 2 * shards + sum(f.stat().st_size for f in ckpt.glob("*model_states.pt")), shutil.disk_usage(ckpt).free
+    if free < need:
+        raise CheckpointMismatchError(
+            f"converting {ckpt} for another rank count needs ~{need / 2**30:.1f} GiB free beside it and "
+            f"{free / 2**30:.1f} GiB are: free some, or resume on the rank count it was made on")
+    log(f"[train] converting {ckpt} to a universal checkpoint (its optimizer shards were split for another rank "
+        f"count; ~{need / 2**30:.1f} GiB)")
+    with open(ckpt.parent / "universal.log", "w") as logfile:
+        done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                               str(ckpt), "--output_folder", str(out), "--inject_missing_state"],
+                              stdout=logfile, stderr=subprocess.STDOUT, env=dist.env_without_launcher(), check=False)
+    (ckpt.parent / "latest_universal").unlink(missing_ok=True)  # the converter's; `latest` stays ours
+    if done.returncode:
+        raise RuntimeError(f"DeepSpeed's ds_to_universal failed on {ckpt} (log: {ckpt.parent / 'universal.log'}); "
+                           "resume on the rank count the checkpoint was made on, or add force=[train]")
 
 
 def _remove_checkpoints(ckpt_dir) -> None:
