@@ -555,7 +555,7 @@ class Trainer:
         tcfg = self.cfg.train
         meta = latest_meta(self.ckpt_dir)
         client = dist.broadcast(json.loads(meta.read_text()) if dist.is_main() and meta else None)
-        if client is None or "train" in self.cfg.force:
+        if client is None or "train" in self.cfg.force or "world" not in client:  # (made before: resumed as then)
             return tcfg, False
         accum = tcfg.grad_accum
         if (checkpoint_per_step(client) != self.world * accum
@@ -563,7 +563,7 @@ class Trainer:
             accum = resume_accum(client, self.world, self.ckpt_dir)
         shards = dist.broadcast(any(meta.parent.glob("*optim_states.pt")) if dist.is_main() else None)
         universal = shards and client.get("world", self.world) != self.world
-        if universal and tcfg.optimizer == "muon":
+        if universal and client.get("identity", {}).get("train.optimizer", tcfg.optimizer) == "muon":
             raise CheckpointMismatchError(
                 f"the training checkpoints in {self.ckpt_dir} were made on {client['world']} ranks with "
                 "train.optimizer=muon, whose ZeRO shards DeepSpeed's universal conversion cannot read (it knows "
@@ -609,8 +609,9 @@ class Trainer:
         _, client = self.engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=False)
         dist.barrier()
         if self.universal and dist.is_main():  # a converted copy: the next checkpoint is saved for this rank count;
-            os.replace(ckpt_dir / tag, ckpt_dir / f"{tag}.old")  # renamed first, a crash while deleting leaves
-            shutil.rmtree(ckpt_dir / f"{tag}.old")                 # no partial copy that a rerun would load
+            shutil.rmtree(ckpt_dir / f"{tag}.old", ignore_errors=True)  # renamed first (an earlier deletion cut
+            os.replace(ckpt_dir / tag, ckpt_dir / f"{tag}.old")          # short goes first), a crash while deleting
+            shutil.rmtree(ckpt_dir / f"{tag}.old", ignore_errors=True)  # leaves no partial copy a rerun would load
         state.update(client["state"])
         rng = client["rng"]
         if not isinstance(rng, list) or self.rank < len(rng):  # one per rank (a dict: made before); a rank added
@@ -814,6 +815,8 @@ class Trainer:
             kept = [t for t in tags if t <= tag][-self.tcfg.keep_checkpoints:]
             for old in [*(set(tags) - set(kept)), *(p.name for p in ckpt_dir.glob("universal-*"))]:
                 shutil.rmtree(ckpt_dir / old, ignore_errors=True)  # (a conversion a crash left: to_universal)
+            for old in ckpt_dir.glob("universal.failed.*"):
+                old.unlink(missing_ok=True)
         dist.barrier()
         self.side_s += time.time() - t0
 
@@ -930,20 +933,24 @@ def to_universal(ckpt: Path) -> str:
     DeepSpeed's universal format beside it (``universal-<tag>``; DeepSpeed's ``ds_to_universal``, its log in
     ``universal.log``), which any rank count loads; returns its tag. The other ranks poll for it, no collective
     held open (minutes at 8B on a shared file system), and stop with rank 0: its failure file, or its heartbeat
-    gone still (:class:`train.stages.Pulse`)."""
+    gone still (:class:`train.stages.Pulse`); both named for this attempt, so an earlier attempt's are never read."""
     root = ckpt.parent
-    out, tmp, failed = root / f"universal-{ckpt.name}", root / f"universal-{ckpt.name}.tmp", root / "universal.failed"
+    out, tmp = root / f"universal-{ckpt.name}", root / f"universal-{ckpt.name}.tmp"
+    attempt = dist.broadcast(uuid.uuid4().hex[:12] if dist.is_main() else None)
+    failed, alive = root / f"universal.failed.{attempt}", root / f"universal.alive.{attempt}"
     if dist.is_main() and not out.exists():
-        failed.unlink(missing_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a conversion a crash cut short
-        with stages.heartbeat(root / "universal.alive", stages.HEARTBEAT_S):
+        with stages.heartbeat(alive, stages.HEARTBEAT_S):
             try:
+                for old in root.glob("universal.failed.*"):
+                    old.unlink(missing_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)  # a conversion a crash cut short
                 convert_to_universal(ckpt, tmp)
+                os.replace(tmp, out)
             except Exception as e:
+                shutil.rmtree(tmp, ignore_errors=True)  # its fragments: twice the optimizer shards
                 failed.write_text(str(e))
                 raise
-        os.replace(tmp, out)
-    pulse = stages.Pulse(root / "universal.alive")
+    pulse = stages.Pulse(alive)
     while not out.exists():
         if failed.exists():
             raise RuntimeError(f"rank 0 failed to convert {ckpt} (see its log); this rank stops too")
