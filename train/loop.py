@@ -605,7 +605,7 @@ class Trainer:
                 f"the training checkpoints in {ckpt_dir} were made with other settings: {', '.join(blocking)} "
                 f"changed. Add force=[train] to start over (the checkpoints are then deleted), or set the "
                 f"old value(s) back to resume")
-        tag = to_universal(meta.parent) if self.universal else meta.parent.name
+        tag = to_universal(meta.parent, 60 * cfg.hang_minutes) if self.universal else meta.parent.name
         _, client = self.engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=False)
         dist.barrier()
         if self.universal and dist.is_main():  # a converted copy: the next checkpoint is saved for this rank count;
@@ -928,12 +928,13 @@ def resume_accum(client: dict, world: int, ckpt_dir: Path) -> int:
     return per_step // world
 
 
-def to_universal(ckpt: Path) -> str:
+def to_universal(ckpt: Path, timeout_s: float) -> str:
     """Rank 0 converts checkpoint ``ckpt``, whose ZeRO optimizer shards are split for another rank count, into
     DeepSpeed's universal format beside it (``universal-<tag>``; DeepSpeed's ``ds_to_universal``, its log in
     ``universal.log``), which any rank count loads; returns its tag. The other ranks poll for it, no collective
     held open (minutes at 8B on a shared file system), and stop with rank 0: its failure file, or its heartbeat
-    gone still (:class:`train.stages.Pulse`); both named for this attempt, so an earlier attempt's are never read."""
+    gone still (:class:`train.stages.Pulse`); both named for this attempt, so an earlier attempt's are never read.
+    A conversion past ``timeout_s`` (``hang_minutes``) is stopped as hung."""
     root = ckpt.parent
     out, tmp = root / f"universal-{ckpt.name}", root / f"universal-{ckpt.name}.tmp"
     attempt = dist.broadcast(uuid.uuid4().hex[:12] if dist.is_main() else None)
@@ -944,7 +945,7 @@ def to_universal(ckpt: Path) -> str:
                 for old in root.glob("universal.failed.*"):
                     old.unlink(missing_ok=True)
                 shutil.rmtree(tmp, ignore_errors=True)  # a conversion a crash cut short
-                convert_to_universal(ckpt, tmp)
+                convert_to_universal(ckpt, tmp, timeout_s)
                 os.replace(tmp, out)
             except Exception as e:
                 shutil.rmtree(tmp, ignore_errors=True)  # its fragments: twice the optimizer shards
@@ -961,7 +962,7 @@ def to_universal(ckpt: Path) -> str:
     return out.name
 
 
-def convert_to_universal(ckpt: Path, out: Path) -> None:
+def convert_to_universal(ckpt: Path, out: Path, timeout_s: float) -> None:
     """DeepSpeed's ``ds_to_universal`` on ``ckpt`` into ``out`` (a subprocess: its worker pool forks), after a
     check that the disk holds its fragments and result (~twice the optimizer shards)."""
     shards = sum(f.stat().st_size for f in ckpt.iterdir() if f.name.endswith("optim_states.pt"))
@@ -973,9 +974,15 @@ def convert_to_universal(ckpt: Path, out: Path) -> None:
     log(f"[train] converting {ckpt} to a universal checkpoint (its optimizer shards were split for another rank "
         f"count; ~{need / 2**30:.1f} GiB)")
     with open(ckpt.parent / "universal.log", "w") as logfile:
-        done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                               str(ckpt), "--output_folder", str(out), "--inject_missing_state"],
-                              stdout=logfile, stderr=subprocess.STDOUT, env=dist.env_without_launcher(), check=False)
+        try:
+            done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                                   str(ckpt), "--output_folder", str(out), "--inject_missing_state"], stdout=logfile,
+                                  stderr=subprocess.STDOUT, env=dist.env_without_launcher(), check=False,
+                                  timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"DeepSpeed's ds_to_universal on {ckpt} ran past hang_minutes ({timeout_s / 60:g}): hung "
+                               f"(log: {ckpt.parent / 'universal.log'}); raise hang_minutes for a slow file system, or "
+                               "resume on the rank count the checkpoint was made on") from None
     (ckpt.parent / "latest_universal").unlink(missing_ok=True)  # the converter's; `latest` stays ours
     if done.returncode:
         raise RuntimeError(f"DeepSpeed's ds_to_universal failed on {ckpt} (log: {ckpt.parent / 'universal.log'}); "
