@@ -514,6 +514,7 @@ class Trainer:
         self.ckpt_dir = self.out / "checkpoints"
         self.device, self.dtype = setup_process(cfg)
         self.world, self.rank = dist.world_size(), dist.rank()
+        self.latest = latest_checkpoint(self.ckpt_dir)  # rank 0's (tag, client.json) of the checkpoint to resume
         self.tcfg, self.universal = self.fit_to_checkpoint()
         self.per_step = self.world * self.tcfg.grad_accum
         # Offline, the head needs three tensors of the target (embedding, lm_head, final norm), read from its
@@ -553,16 +554,15 @@ class Trainer:
         universal format (:func:`to_universal`). A ``train.grad_accum`` changed on purpose is refused by
         :meth:`resume` (a result key)."""
         tcfg = self.cfg.train
-        meta = latest_meta(self.ckpt_dir)
-        client = dist.broadcast(json.loads(meta.read_text()) if dist.is_main() and meta else None)
-        if client is None or "train" in self.cfg.force or "world" not in client:  # (made before: resumed as then)
+        if self.latest is None or "train" in self.cfg.force or "world" not in self.latest[1]:  # (made before: as then)
             return tcfg, False
+        tag, client = self.latest
         accum = tcfg.grad_accum
         if (checkpoint_per_step(client) != self.world * accum
                 and client.get("identity", {}).get("train.grad_accum", accum) == accum):
             accum = resume_accum(client, self.world, self.ckpt_dir)
-        shards = dist.broadcast(any(meta.parent.glob("*optim_states.pt")) if dist.is_main() else None)
-        universal = shards and client.get("world", self.world) != self.world
+        shards = dist.broadcast(any((self.ckpt_dir / tag).glob("*optim_states.pt")) if dist.is_main() else None)
+        universal = shards and client["world"] != self.world
         if universal and client.get("identity", {}).get("train.optimizer", tcfg.optimizer) == "muon":
             raise CheckpointMismatchError(
                 f"the training checkpoints in {self.ckpt_dir} were made on {client['world']} ranks with "
@@ -583,14 +583,13 @@ class Trainer:
         cfg, state, ckpt_dir = self.cfg, self.state, self.ckpt_dir
         if dist.is_main() and (self.out / "head.old").exists() and not (self.out / "head").exists():
             (self.out / "head.old").rename(self.out / "head")   # a crash inside save_best: the previous best head
-        meta = latest_meta(ckpt_dir)
-        if meta is None:
+        if self.latest is None:
             if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
                 if "train" not in cfg.force:  # a crash before the first checkpoint completed: nothing to resume
                     log(f"[train] {ckpt_dir} holds no complete checkpoint; starting fresh")
                 _remove_checkpoints(ckpt_dir)
             return
-        client = json.loads(meta.read_text())
+        tag, client = self.latest
         changed = checkpoint_changes(client, self.identity)
         if checkpoint_per_step(client) == self.per_step:  # another split of the same step (fit_to_checkpoint)
             changed = [k for k in changed if k != "train.grad_accum"]
@@ -605,7 +604,8 @@ class Trainer:
                 f"the training checkpoints in {ckpt_dir} were made with other settings: {', '.join(blocking)} "
                 f"changed. Add force=[train] to start over (the checkpoints are then deleted), or set the "
                 f"old value(s) back to resume")
-        tag = to_universal(meta.parent, 60 * cfg.hang_minutes) if self.universal else meta.parent.name
+        if self.universal:
+            tag = to_universal(ckpt_dir / tag, 60 * cfg.hang_minutes)
         _, client = self.engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=False)
         dist.barrier()
         if self.universal and dist.is_main():  # a converted copy: the next checkpoint is saved for this rank count;
@@ -648,7 +648,7 @@ class Trainer:
                 + (f"warming up to step {self.warmup}, then a cosine" if state.get("segment") is None else "a cosine")
                 + f" to {self.tcfg.min_lr_ratio:g} x at step {state['total_steps']} (refitted to the time budget as "
                 "steps are timed); force=[train] starts over with a fresh schedule")
-        log(f"[train] resumed from {meta.parent.name} (step {state['step']}, {state['total_steps']} steps planned)")
+        log(f"[train] resumed from {self.latest[0]} (step {state['step']}, {state['total_steps']} steps planned)")
 
     def train(self) -> None:
         """Optimizer steps until the planned steps, ``train.max_minutes`` or early stopping end the run:
@@ -901,11 +901,13 @@ def replan(state: dict, planned_steps: int, warmup: int, min_ratio: float, reach
     return lr_lambda(step, warmup, state["total_steps"], min_ratio, state["segment"])
 
 
-def latest_meta(ckpt_dir: Path) -> Path | None:
-    """The ``client.json`` of the checkpoint ``<ckpt_dir>/latest`` names; None when there is no complete one."""
+def latest_checkpoint(ckpt_dir: Path) -> tuple[str, dict] | None:
+    """(tag, ``client.json``) of the checkpoint ``<ckpt_dir>/latest`` names, as rank 0 reads them (every rank
+    decides alike); None when there is no complete one."""
     latest = ckpt_dir / "latest"
-    meta = ckpt_dir / latest.read_text().strip() / "client.json" if latest.exists() else None
-    return meta if meta is not None and meta.exists() else None
+    meta = ckpt_dir / latest.read_text().strip() / "client.json" if dist.is_main() and latest.exists() else None
+    return dist.broadcast((meta.parent.name, json.loads(meta.read_text())) if meta is not None and meta.exists()
+                          else None)
 
 
 def checkpoint_per_step(client: dict) -> int:
