@@ -42,10 +42,15 @@ from train.losses import full_argmax
 CAP_MARGIN = 16  # answer tokens generated past data.max_length (answer_room)
 
 
-def next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
+def next_tokens(logits: torch.Tensor, temperature: float, top_p: float,
+                generator: torch.Generator | list[torch.Generator] | None):
+    """The next token of each row: greedy at temperature 0, else sampled with ``generator`` (a list: one per row)."""
     if temperature <= 0:
         return logits.max(-1).indices  # = argmax, faster on bf16 logits (train.losses.full_argmax)
-    return torch.multinomial(warp(logits, temperature, top_p), 1, generator=generator).squeeze(-1)
+    probs = warp(logits, temperature, top_p)
+    if isinstance(generator, list):
+        return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generator, strict=True)])
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 @dataclass
@@ -72,8 +77,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[
 @torch.inference_mode()
 def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, refill: int, max_new_tokens: int,
            eos_ids: set[int], pad_id: int, temperature: float = 0.0, top_p: float = 1.0,
-           generator: torch.Generator | None = None, layers: list[int] | None = None,
-           tail: Tail | None = None, max_length: int | None = None) -> Iterator[list[tuple[Hashable, Answer]]]:
+           generator: torch.Generator | Callable[[Hashable], torch.Generator] | None = None,
+           layers: list[int] | None = None, tail: Tail | None = None,
+           max_length: int | None = None) -> Iterator[list[tuple[Hashable, Answer]]]:
     """Continuous batching: answers the ``(job, prompt ids)`` of ``queue``, yielding the jobs that finished
     after each step. The caller may append to ``queue`` between yields (a conversation's next turn).
 
@@ -88,7 +94,8 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
     row's answer ends (EOS, or ``max_new_tokens``: its last token is fed too), ``tail(job, tokens)`` gives
     the tokens the chat template puts after the answer (end of turn, ...); they are fed one per step, so
     ``states`` covers the whole rendered conversation. ``tail`` returning None drops the row's states.
-    Sampling draws only for rows still answering: the answers are the same with or without ``layers``.
+    Sampling draws only for rows still answering: the answers are the same with or without ``layers``. A callable
+    ``generator`` gives each job its own (``generator(job)``): its answer does not depend on the rows beside it.
     With ``max_length`` an answer gets at most :func:`answer_room` tokens (the data stage keeps no more).
     """
     device = next(model.parameters()).device
@@ -127,7 +134,8 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
         if not jobs:
             return
         answering = [j for j, job in enumerate(jobs) if job not in ended]
-        sampled = iter(next_tokens(logits[answering], temperature, top_p, generator).tolist() if answering else [])
+        gens = [generator(jobs[j]) for j in answering] if callable(generator) else generator
+        sampled = iter(next_tokens(logits[answering], temperature, top_p, gens).tolist() if answering else [])
         feed: list[int | None] = []  # the token each row feeds next; None: the row leaves
         finished = []
         for job in jobs:
@@ -171,6 +179,11 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
         out = run(tokens[:, None], attention_mask=mask, position_ids=positions, cache=cache)
         logits = out.logits[:, -1]
         _keep(kept, jobs, out, layers, [1] * len(jobs))
+
+
+def refill_rows(rcfg) -> int:
+    """Free rows that let new prompts join a running batch (``data.regen.refill``: a share of ``batch_size``)."""
+    return max(1, round(rcfg.refill * rcfg.batch_size))
 
 
 def _keep(kept: dict, jobs: list, out, layers: list[int] | None, last: list[int]) -> None:
@@ -281,7 +294,7 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(rcfg.seed + 7919 * dist.rank())
     lm_head = model.get_output_embeddings().weight if capture else None
     total_turns = sum(len(r["users"]) - _answered(r) for r in state.values())
-    refill = max(1, round(rcfg.refill * rcfg.batch_size))
+    refill = refill_rows(rcfg)
     log(f"[data] regenerating {len(state)} conversations ({total_turns} answers) with the target in {model.dtype}, "
         f"{rcfg.batch_size} at once (refilled {refill} at a time); {stats['cached']} cached in {path}"
         + (f"; keeping hidden states {capture.layers}" if capture else ""))

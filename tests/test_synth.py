@@ -135,15 +135,21 @@ POOL = ["How do I sort a list in Python?", "how do i sort a list in python", "Ho
 
 @pytest.fixture
 def fake_generate(monkeypatch):
-    """Stands in for data.regenerate.generate: picks pool texts with the generator it is given."""
-    calls, tok = [], _build_tiny_tokenizer("chatml")  # the tiny targets' byte-level tokenizer
+    """Stands in for data.regenerate.stream: picks pool texts with each row's own generator. It takes up to ``rows``
+    queued prompts at a time and finishes them last first (out of order, like real answers of different lengths).
+    Returns the prompts it was given by batch (``{batch: [ids, ...]}``)."""
+    calls, tok = {}, _build_tiny_tokenizer("chatml")  # the tiny targets' byte-level tokenizer
 
-    def fake(model, prompts, max_new_tokens, eos_ids, pad_id, temperature, top_p, generator):
-        calls.append(prompts)
-        picks = torch.randint(len(POOL), (len(prompts),), generator=generator).tolist()
-        return [Answer(tok(POOL[i], add_special_tokens=False)["input_ids"], True) for i in picks]
+    def fake(model, queue, rows, refill, max_new_tokens, eos_ids, pad_id, temperature, top_p, generator):
+        while queue:
+            running = [queue.popleft() for _ in range(min(rows, len(queue)))]
+            for (b, _), ids in running:
+                calls.setdefault(b, []).append(ids)
+            for job, _ in reversed(running):
+                pick = int(torch.randint(len(POOL), (1,), generator=generator(job)))
+                yield [(job, Answer(tok(POOL[pick], add_special_tokens=False)["input_ids"], True))]
 
-    monkeypatch.setattr(synth, "generate", fake)
+    monkeypatch.setattr(synth, "stream", fake)
     return calls
 
 
@@ -155,7 +161,7 @@ class FakeModel(torch.nn.Module):
 
 
 def writer(model: torch.nn.Module) -> synth.TargetWriter:
-    return synth.TargetWriter(lambda: model)
+    return synth.TargetWriter(lambda: model, rows=8, refill=2)  # two batches (batch_size 4) at once
 
 
 def batches_in(path) -> dict[int, list[dict]]:
@@ -167,15 +173,23 @@ def settings(**kw):
     return synth.settings({"type": "synth", "batch_size": 4, "min_chars": 5, **kw}, seed=0)
 
 
-def test_synth_is_seeded_on_the_real_generate(tiny_qwen2_cfg, tmp_path):
+def test_synth_is_seeded_per_prompt_and_batched_continuously_on_the_real_target(tiny_qwen2_cfg, tmp_path):
+    """The rows of several batches decode together (more rows per pass than a batch has), and each prompt is seeded
+    on its own: the same prompts whatever decodes beside them (one batch's rows at a time, or three batches'),
+    other prompts with another seed."""
     model, tok = load_target(tiny_qwen2_cfg), load_tokenizer(tiny_qwen2_cfg)
-    s = settings(n=4, max_new_tokens=6, max_attempts=8)
-    for name in ("a", "b"):
-        synth.synthesize(writer(model), tok, s, tmp_path / f"{name}.jsonl")
-    a = batches_in(tmp_path / "a.jsonl")
-    assert len(a) == 2 and a == batches_in(tmp_path / "b.jsonl")
+    widths = []
+    model.register_forward_pre_hook(lambda _, args: widths.append(args[0].shape[0]))  # stream passes the ids first
+    s = settings(n=8, max_new_tokens=6, max_attempts=12, min_chars=1)
+    runs = {}
+    for name, rows in (("alone", 4), ("together", 12)):
+        widths.clear()
+        synth.synthesize(synth.TargetWriter(lambda: model, rows=rows, refill=1), tok, s, tmp_path / f"{name}.jsonl")
+        runs[name] = (batches_in(tmp_path / f"{name}.jsonl"), max(widths))
+    assert runs["alone"][1] == 4 and runs["together"][1] > 4
+    assert len(runs["alone"][0]) == 3 and runs["alone"][0] == runs["together"][0]
     synth.synthesize(writer(model), tok, {**s, "seed": 1}, tmp_path / "c.jsonl")
-    assert batches_in(tmp_path / "c.jsonl") != a
+    assert batches_in(tmp_path / "c.jsonl") != runs["alone"][0]
 
 
 def test_synth_dedups_resumes_and_counts_calls(fake_generate, tmp_path):
