@@ -9,6 +9,7 @@ scripts/gpu_check.sh is meant for a GPU (its CPU smoke run: EXTRA in its header)
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -57,7 +58,7 @@ def source(tmp_path_factory):
 def test_every_script_has_a_smoke_test():
     """A new script gets a test here (or a reason not to)."""
     covered = {"_bench.py", "compare_heads.py", "bench_batching.py", "bench_data.py", "bench_decode.py", "bench_extract.py", "bench_gpu_scale.py",
-               "bench_levers.py", "bench_train.py", "bench_ttt_attention.py", "gpu_check.sh", "learning_curve.py",
+               "bench_levers.py", "bench_synth.py", "bench_train.py", "bench_ttt_attention.py", "gpu_check.sh", "learning_curve.py",
                "setup_env.sh", "setup_vllm_env.sh", "vllm_check.py"}   # vllm_check.py: tests/test_vllm_check.py
     assert {p.name for p in SCRIPTS.iterdir() if p.is_file()} <= covered
 
@@ -97,6 +98,14 @@ def test_bench_decode_medusa():
     out = run_script("bench_decode.py", "--model", "tiny-llama", "--head", "medusa", "--prompts", "1",
                      "--max-new-tokens", "8", "--cudnn-attention", "eval.tree.sizes=[1,2,4]", "head.draft_vocab_size=64")
     assert "Medusa tree:" in out and re.search(r"^\s+medusa-tree\s+[\d.]+", out, re.M), out
+
+
+def test_bench_synth():
+    """Prompts of several 4-prompt batches decode together: more rows per pass than a batch has."""
+    out = json.loads(run_script("bench_synth.py", "--n", "6", "--batch-size", "4", "model=tiny-qwen2",
+                                "data.regen.batch_size=12").strip().splitlines()[-1])
+    assert out["prompts"] == 6 and out["attempts"] >= 6 and out["decode_passes"] > 0
+    assert 4 < out["rows_per_decode_pass"] <= 12, out
 
 
 def test_bench_data():
