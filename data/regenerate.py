@@ -44,12 +44,17 @@ CAP_MARGIN = 16  # answer tokens generated past data.max_length (answer_room)
 
 def next_tokens(logits: torch.Tensor, temperature: float, top_p: float,
                 generator: torch.Generator | list[torch.Generator] | None):
-    """The next token of each row: greedy at temperature 0, else sampled with ``generator`` (a list: one per row)."""
+    """The next token of each row: greedy at temperature 0, else sampled with ``generator``. A list: one per row, each
+    drawing one uniform number per step (inverse CDF, all rows at once: a ``torch.multinomial`` per row waits on
+    the GPU at each call, 256 of them per step)."""
     if temperature <= 0:
         return logits.max(-1).indices  # = argmax, faster on bf16 logits (train.losses.full_argmax)
     probs = warp(logits, temperature, top_p)
     if isinstance(generator, list):
-        return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generator, strict=True)])
+        u = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generator])
+        cdf = probs.cumsum(-1)
+        picks = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+        return picks.clamp(max=probs.shape[-1] - 1)  # u x total rounding past the last cdf value
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 

@@ -8,8 +8,9 @@ turn of that prefix to steer topics (cycled over the attempts). The regeneration
 (temperature/top-p sampling), the prompts of several batches at once, one seed per prompt from (seed, batch,
 index): ``hf``, the target in this process (:class:`TargetWriter`, continuously batched); ``vllm`` and ``openai``,
 the data stage's server (:class:`ServerWriter`, the prompts in flight as requests). The same seed and backend
-give the same prompts (``hf``: on the same machine and ``data.regen.batch_size``, the rows decoding together
-changing only rounding), and a resumed run the prompts an uninterrupted one gets.
+give the same prompts, and a resumed run the prompts an uninterrupted one gets, up to rounding with ``hf``: which
+rows decode together (it changes with a resume, the rank count or ``data.regen.batch_size``) changes the logits'
+last bits, and a draw that lands on a boundary with them.
 
 Filtering, in attempt order: ``truncated`` (no end-of-turn within max_new_tokens), ``empty``,
 ``too_short`` (< min_chars), ``duplicate`` (equal normalised text), ``near_duplicate`` (character
@@ -27,7 +28,7 @@ a newline, then ignored).
 Under a launcher (``hf`` regeneration: every rank reads the sources) the ranks write the batches together:
 rank r generates the batches b = r mod world into its own part file (``<cache>.part<r>.jsonl``), running at
 most ``LOOKAHEAD`` rounds ahead of the batches every rank has, and each rank filters the same batches in
-batch order: the same prompts as one process, on every rank. A rerun on any rank count reads the cache and
+batch order: the same prompts on every rank (as one process, up to rounding). A rerun on any rank count reads the cache and
 every part file.
 """
 
@@ -239,7 +240,7 @@ class TargetWriter:
         return getattr(self.target(), "generation_config", None)
 
     def at_once(self, batch_size: int) -> int:
-        return 2 * max(1, -(-self.rows // batch_size))
+        return 4 * max(1, -(-self.rows // batch_size))  # queued ahead: rows join the moment rows free up
 
     def close(self) -> None:
         """Let the target go (the data stage's :class:`data.engines.LocalTarget` keeps it for the answers)."""

@@ -180,16 +180,49 @@ def test_synth_is_seeded_per_prompt_and_batched_continuously_on_the_real_target(
     model, tok = load_target(tiny_qwen2_cfg), load_tokenizer(tiny_qwen2_cfg)
     widths = []
     model.register_forward_pre_hook(lambda _, args: widths.append(args[0].shape[0]))  # stream passes the ids first
-    s = settings(n=8, max_new_tokens=6, max_attempts=12, min_chars=1)
+    s = settings(n=12, max_new_tokens=6, max_attempts=12, min_chars=1)
     runs = {}
     for name, rows in (("alone", 4), ("together", 12)):
         widths.clear()
         synth.synthesize(synth.TargetWriter(lambda: model, rows=rows, refill=1), tok, s, tmp_path / f"{name}.jsonl")
         runs[name] = (batches_in(tmp_path / f"{name}.jsonl"), max(widths))
-    assert runs["alone"][1] == 4 and runs["together"][1] > 4
+    assert runs["alone"][1] == 4 and runs["together"][1] == 12
     assert len(runs["alone"][0]) == 3 and runs["alone"][0] == runs["together"][0]
     synth.synthesize(writer(model), tok, {**s, "seed": 1}, tmp_path / "c.jsonl")
     assert batches_in(tmp_path / "c.jsonl") != runs["alone"][0]
+
+
+def test_a_batch_comes_back_in_prompt_order_whatever_order_its_rows_finish(fake_generate):
+    """The fake finishes rows last first: each batch's outputs are still its prompts' answers, in prompt order
+    (the categories, cycled by position, depend on it), each row drawing from its own seed."""
+    from data.engines import request_seed
+
+    tok, s = _build_tiny_tokenizer("chatml"), settings(n=8)
+    w = writer(FakeModel())
+    prompts = [[1 + b, 2 + k] for b in range(3) for k in range(4)]
+    got = dict(w([(b, prompts[4 * b:4 * b + 4]) for b in range(3)], tok, set(), s))
+    assert sorted(got) == [0, 1]   # the rows of two batches at a time (rows=8): batch 2 is still queued
+    got.update(w([(2, prompts[8:])], tok, set(), s))
+    for b in range(3):
+        expected = [POOL[int(torch.randint(len(POOL), (1,), generator=torch.Generator().manual_seed(
+            request_seed(s["seed"], f"synth-{b}", k))))].strip() for k in range(4)]
+        assert [o["text"] for o in got[b]] == expected
+    assert [ids for b in range(3) for ids in fake_generate[b]] == prompts
+
+
+def test_per_row_sampling_follows_the_distribution_and_ignores_the_rows_beside(monkeypatch):
+    from data.regenerate import next_tokens
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    logits = probs.clamp(min=1e-12).log().expand(4000, -1)
+    gens = [torch.Generator().manual_seed(i) for i in range(4000)]
+    picks = next_tokens(logits, 1.0, 1.0, gens)
+    freq = torch.bincount(picks, minlength=5) / 4000
+    assert (freq - probs).abs().max() < 0.03 and freq[4] == 0
+    assert set(next_tokens(logits[:500], 1.0, 0.6, gens[:500]).tolist()) == {0, 1}   # top-p keeps 0.5 + 0.3
+    alone = next_tokens(logits[:1], 1.0, 1.0, [torch.Generator().manual_seed(7)])
+    beside = next_tokens(logits[:3], 1.0, 1.0, [torch.Generator().manual_seed(s) for s in (3, 7, 9)])
+    assert alone.item() == beside[1].item()
 
 
 def test_synth_dedups_resumes_and_counts_calls(fake_generate, tmp_path):
