@@ -44,17 +44,20 @@ CAP_MARGIN = 16  # answer tokens generated past data.max_length (answer_room)
 
 def next_tokens(logits: torch.Tensor, temperature: float, top_p: float,
                 generator: torch.Generator | list[torch.Generator] | None):
-    """The next token of each row: greedy at temperature 0, else sampled with ``generator``. A list: one per row, each
-    drawing one uniform number per step (inverse CDF, all rows at once: a ``torch.multinomial`` per row waits on
-    the GPU at each call, 256 of them per step)."""
+    """The next token of each row: greedy at temperature 0, else sampled with ``generator``. A list: CPU generators,
+    one per row, each drawing one uniform number per step (the same draws on any device), then inverse CDF over
+    all rows at once (a ``torch.multinomial`` per row waits on the GPU at each call, 256 of them per step)."""
     if temperature <= 0:
         return logits.max(-1).indices  # = argmax, faster on bf16 logits (train.losses.full_argmax)
     probs = warp(logits, temperature, top_p)
     if isinstance(generator, list):
-        u = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generator])
-        cdf = probs.cumsum(-1)
-        picks = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-        return picks.clamp(max=probs.shape[-1] - 1)  # u x total rounding past the last cdf value
+        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generator]).to(probs.device)
+        # float64, and a token of probability 0 (top-p) repeats its left neighbour's sum exactly: a GPU's parallel
+        # scan can leave a float32 cdf a ulp out of order there, and the search would land on it.
+        cdf = probs.double().cumsum(-1).masked_fill(probs == 0, 0).cummax(-1).values
+        target = u * cdf[:, -1]
+        cdf[:, -1] = float("inf")  # the index stays in range
+        return torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)  # first cdf above u x total
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 

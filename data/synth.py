@@ -27,7 +27,7 @@ a newline, then ignored).
 
 Under a launcher (``hf`` regeneration: every rank reads the sources) the ranks write the batches together:
 rank r generates the batches b = r mod world into its own part file (``<cache>.part<r>.jsonl``), running at
-most ``LOOKAHEAD`` rounds ahead of the batches every rank has, and each rank filters the same batches in
+most ``LOOKAHEAD`` rounds (or its writer's window, if larger) ahead of the batches every rank has, and each rank filters the same batches in
 batch order: the same prompts on every rank (as one process, up to rounding). A rerun on any rank count reads the cache and
 every part file.
 """
@@ -254,13 +254,12 @@ class TargetWriter:
         from data.engines import request_seed
 
         model = self.target()
-        device = next(model.parameters()).device
         for b, prompts in jobs:
             if b not in self.asked:
                 self.asked[b] = len(prompts)
                 for k, ids in enumerate(prompts):
                     seed = request_seed(s["seed"], f"synth-{b}", k)
-                    self.generators[b, k] = torch.Generator(device=device).manual_seed(seed)
+                    self.generators[b, k] = torch.Generator().manual_seed(seed)  # CPU: see next_tokens
                     self.queue.append(((b, k), ids))
         first = jobs[0][0]
         while len(self.done.get(first, ())) < self.asked[first]:

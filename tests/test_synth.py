@@ -214,15 +214,21 @@ def test_per_row_sampling_follows_the_distribution_and_ignores_the_rows_beside(m
     from data.regenerate import next_tokens
 
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
-    logits = probs.clamp(min=1e-12).log().expand(4000, -1)
+    logits = probs.log().expand(4000, -1)   # log 0 = -inf: a true zero
     gens = [torch.Generator().manual_seed(i) for i in range(4000)]
     picks = next_tokens(logits, 1.0, 1.0, gens)
     freq = torch.bincount(picks, minlength=5) / 4000
     assert (freq - probs).abs().max() < 0.03 and freq[4] == 0
     assert set(next_tokens(logits[:500], 1.0, 0.6, gens[:500]).tolist()) == {0, 1}   # top-p keeps 0.5 + 0.3
-    alone = next_tokens(logits[:1], 1.0, 1.0, [torch.Generator().manual_seed(7)])
-    beside = next_tokens(logits[:3], 1.0, 1.0, [torch.Generator().manual_seed(s) for s in (3, 7, 9)])
-    assert alone.item() == beside[1].item()
+    # Each row draws from its own generator only: 64 rows together pick what each picks alone.
+    together = next_tokens(logits[:64], 1.0, 1.0, [torch.Generator().manual_seed(s) for s in range(64)])
+    alone = [next_tokens(logits[:1], 1.0, 1.0, [torch.Generator().manual_seed(s)]).item() for s in range(64)]
+    assert together.tolist() == alone and len(set(alone)) > 1
+    # The draw's ends: u = 0 never picks a zero-probability first token, u -> 1 never a zero-probability last one.
+    edge = torch.tensor([[0.0, 0.6, 0.4, 0.0]]).log()
+    for u, token in ((0.0, 1), (1 - 2 ** -53, 2)):
+        monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: torch.full((1,), u, dtype=torch.float64))
+        assert next_tokens(edge, 1.0, 1.0, [torch.Generator()]).item() == token
 
 
 def test_synth_dedups_resumes_and_counts_calls(fake_generate, tmp_path):
