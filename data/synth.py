@@ -27,9 +27,9 @@ a newline, then ignored).
 
 Under a launcher (``hf`` regeneration: every rank reads the sources) the ranks write the batches together:
 rank r generates the batches b = r mod world into its own part file (``<cache>.part<r>.jsonl``), running at
-most ``LOOKAHEAD`` rounds (or its writer's window, if larger) ahead of the batches every rank has, and each rank filters the same batches in
-batch order: the same prompts on every rank (as one process, up to rounding). A rerun on any rank count reads the cache and
-every part file.
+most ``LOOKAHEAD`` rounds (or its writer's window, if larger) ahead of the batches every rank has, and each rank
+filters the same batches in batch order: the same prompts on every rank (as one process, up to rounding). A rerun
+on any rank count reads the cache and every part file.
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ class TargetWriter:
     """Batches written by the target in this process (the ``hf`` backend): ``load()`` gives it, called on first
     use only (a cache holding enough loads nothing). The rows of several batches decode together, continuously
     batched (:func:`data.regenerate.stream`: ``rows`` at once, new ones joining as ``refill`` rows free up), so a
-    batch's short prompts do not wait for its longest (static batches of 32 kept the CPU busy 43% of the time). Each
+    batch's short prompts do not wait for its longest (one batch of 32 at a time averaged 14 rows per pass). Each
     row samples with its own generator seeded from (seed, batch, index), as the server backends' requests do: a
     prompt does not depend on which rows decoded beside it. A sliding window like :class:`ServerWriter`'s: each
     call queues the batches it is given, returns once the first is done, with every other batch done by then; the
