@@ -2,7 +2,7 @@
 
 With the ``hf`` backend the target's generating passes already compute every hidden state the head needs:
 the prompt's in the prefill, each new token's in the step that feeds it, and the tokens the chat template
-puts after an answer (end of turn) are fed as one more step or two (:func:`data.regenerate.generate`).
+puts after an answer (end of turn) are fed as one more step or two (:func:`data.regenerate.stream`).
 The data stage keeps them, for the LAST turn of each conversation (its prefill covers every earlier turn),
 in ``<run_dir>/data/captured/``, one file per generated batch (and rank):
 

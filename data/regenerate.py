@@ -71,17 +71,6 @@ class Answer:
 Tail = Callable[[Hashable, list[int]], "list[int] | None"]
 
 
-def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int], pad_id: int,
-             temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
-             layers: list[int] | None = None, tail: Tail | None = None) -> list[Answer]:
-    """The answers to ``prompts``, generated as one batch (:func:`stream`; ``tail`` gets the prompt's index)."""
-    answers: dict[Hashable, Answer] = {}
-    for finished in stream(model, deque(enumerate(prompts)), len(prompts), len(prompts), max_new_tokens, eos_ids,
-                           pad_id, temperature, top_p, generator, layers, tail):
-        answers.update(finished)
-    return [answers[j] for j in range(len(prompts))]
-
-
 @torch.inference_mode()
 def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, refill: int, max_new_tokens: int,
            eos_ids: set[int], pad_id: int, temperature: float = 0.0, top_p: float = 1.0,

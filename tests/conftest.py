@@ -69,6 +69,22 @@ def killed_after(target: str, calls: int = 1) -> list[str]:
     return [sys.executable, "-c", KILL_AFTER, module, attr, str(calls)]
 
 
+def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int], pad_id: int,
+             temperature: float = 0.0, top_p: float = 1.0, generator=None, layers: list[int] | None = None,
+             tail=None) -> list:
+    """The answers (``data.regenerate.Answer``) to ``prompts``, generated as one batch by
+    ``data.regenerate.stream`` (all rows at once, none joining later; ``tail`` gets the prompt's index)."""
+    from collections import deque
+
+    from data.regenerate import stream
+
+    answers = {}
+    for finished in stream(model, deque(enumerate(prompts)), len(prompts), len(prompts), max_new_tokens, eos_ids,
+                           pad_id, temperature, top_p, generator, layers, tail):
+        answers.update(finished)
+    return [answers[j] for j in range(len(prompts))]
+
+
 def make_cfg(overrides: list[str], tmp: Path | None = None):
     """Compose ``conf/config.yaml`` with overrides, as ``train/run.py`` would (no Hydra run dir)."""
     from train.config import compose

@@ -10,9 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 from data.formats import DataError, read_source, to_messages
-from data.regenerate import RegenMemoryError, generate, read_cache, regenerate
+from data.regenerate import RegenMemoryError, read_cache, regenerate
 from data.template import check_template, tokenize_conversation, with_system
 from data.vocab import build_vocab, coverage
+from tests.conftest import generate
 from train.stages import read_marker, run_stages, stage_dir
 from train.target import CHATML_TEMPLATE, LLAMA3_TEMPLATE, _build_tiny_tokenizer, load_target, load_tokenizer
 

@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 import data.regenerate
-from data.regenerate import generate, stream
+from data.regenerate import stream
+from tests.conftest import generate
 from train.kvcache import BufferLayer, join, kv_cache
 from train.target import load_target
 

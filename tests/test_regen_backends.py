@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from data.engines import OpenAIClient, RegenError, VLLMServer, regenerate_openai
-from data.regenerate import CAP_MARGIN, eos_ids, generate, read_cache, regenerate
+from data.regenerate import CAP_MARGIN, eos_ids, read_cache, regenerate
 from data.template import prompt_ids
-from tests.conftest import ROOT, LoggedRun, child_env, make_cfg
+from tests.conftest import ROOT, LoggedRun, child_env, generate, make_cfg
 from train.target import load_target, load_tokenizer
 
 CONVS = [{"messages": [{"role": "user", "content": f"question {i}"}] + (

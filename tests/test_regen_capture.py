@@ -11,8 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from data.captured import CapturedStates
-from data.regenerate import generate
-from tests.conftest import make_cfg
+from tests.conftest import generate, make_cfg
 from train.extract import capture, capture_layers
 from train.losses import full_argmax
 from train.stages import read_marker, run_stages, stage_dir
