@@ -38,6 +38,7 @@ from train.errors import UserError
 from train.kvcache import join, joinable, kv_cache
 from train.log import log, progress
 from train.losses import full_argmax
+from train.target import last_logits_only
 
 CAP_MARGIN = 16  # answer tokens generated past data.max_length (answer_room)
 
@@ -96,8 +97,9 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
     With ``max_length`` an answer gets at most :func:`answer_room` tokens (the data stage keeps no more).
     """
     device = next(model.parameters()).device
-    def run(*args, **kwargs):  # ``layers`` read at each pass: the caller may empty it (no states wanted any more)
-        return model(*args, use_cache=True, logits_to_keep=1, output_hidden_states=layers or None, **kwargs)
+    def run(ids: torch.Tensor, **kwargs):  # ``layers`` read at each pass: the caller may empty it (no states wanted)
+        return model(ids, use_cache=True, logits_to_keep=last_logits_only(ids), output_hidden_states=layers or None,
+                     **kwargs)
 
     jobs: list[Hashable] = []  # the job of each batch row
     cache = mask = positions = logits = None

@@ -23,6 +23,7 @@ from eval.sampling import Sampling, accept
 from eval.tree import DraftTree
 from train.errors import ConfigError
 from train.kvcache import kv_cache
+from train.target import last_logits_only
 
 # Bumped when a change to the decoder changes its timings: cached plain / n-gram records and verify times
 # (eval.shared) measured by another version are not reused.
@@ -115,7 +116,7 @@ class SpecDecoder:
         exactly ``lm_head(h)`` the product is :meth:`logits`."""
         if not self.plain_head:
             out = self.target(ids, cache=cache, use_cache=True, output_hidden_states=hidden_layers or None,
-                              logits_to_keep=1 if last_only else 0, **kwargs)
+                              logits_to_keep=last_logits_only(ids) if last_only else 0, **kwargs)
             return out.logits[0], out.hidden_states
         out = self.target.get_decoder()(input_ids=ids, cache=cache, use_cache=True,
                                         output_hidden_states=hidden_layers or None, **kwargs)

@@ -52,6 +52,7 @@ from train.log import log, progress
 from train.stages import fingerprint, require, stage_dir, upstream_ids
 from train.target import (
     cpu_has_bf16,
+    last_logits_only,
     load_target,
     load_tokenizer,
     resolve_device,
@@ -150,7 +151,7 @@ class Fp32Scorer:
     @torch.inference_mode()
     def _logits(model, ids: list[int]) -> torch.Tensor:
         ids_t = torch.tensor([ids], device=next(model.parameters()).device)
-        return model(ids_t, logits_to_keep=1).logits[0, -1].float()
+        return model(ids_t, logits_to_keep=last_logits_only(ids_t)).logits[0, -1].float()
 
     def __call__(self, ids: list[int]) -> torch.Tensor:
         if self.model is None:

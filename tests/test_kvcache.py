@@ -10,13 +10,14 @@ from collections import deque
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
+from torch.profiler import ProfilerActivity, profile
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 import data.regenerate
 from data.regenerate import stream
 from tests.conftest import generate
 from train.kvcache import BufferLayer, join, kv_cache
-from train.target import load_target
+from train.target import last_logits_only, load_target
 
 
 def _same(a: DynamicLayer, b: BufferLayer) -> None:
@@ -140,3 +141,27 @@ def test_sliding_window_targets_fall_back_to_static_batches(monkeypatch):
     for j, p in enumerate(PROMPTS):
         alone = generate(target, [p], 12, {3, 4}, 0)[0]
         assert (got[j].tokens, got[j].hit_eos) == (alone.tokens, alone.hit_eos)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_last_logits_only_multiplies_the_lm_head_once(tied):
+    """A prefill of several rows through ``last_logits_only``: the last position's logits, from one GEMM with the
+    lm_head; ``logits_to_keep=1`` makes torch.matmul batch-multiply a per-row copy of the frozen lm_head instead
+    (one that requires grad it folds; if a torch release folds both, the helper can go)."""
+    torch.manual_seed(0)
+    config = Qwen2Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=64, vocab_size=96, tie_word_embeddings=tied)
+    target = AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)  # frozen, as load_target leaves it
+    ids = torch.randint(0, 96, (4, 7))
+
+    def run(keep: int | torch.Tensor) -> tuple[torch.Tensor, int]:
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            logits = target(ids, logits_to_keep=keep).logits
+        return logits, sum(e.count for e in prof.key_averages() if e.key == "aten::bmm")
+
+    with torch.no_grad():
+        want = target(ids).logits[:, -1:]
+    logits, bmm = run(last_logits_only(ids))
+    assert logits.shape == (4, 1, 96) and torch.allclose(logits, want, atol=1e-6) and bmm == 0
+    assert run(1)[1] > 0
+    assert last_logits_only(ids[:, :1]) == 1  # a decode step: the int (no index tensor to copy to the device)
