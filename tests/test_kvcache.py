@@ -9,8 +9,8 @@ from collections import deque
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
 from torch.profiler import ProfilerActivity, profile
+from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 import data.regenerate
@@ -146,22 +146,29 @@ def test_sliding_window_targets_fall_back_to_static_batches(monkeypatch):
 @pytest.mark.parametrize("tied", [True, False])
 def test_last_logits_only_multiplies_the_lm_head_once(tied):
     """A prefill of several rows through ``last_logits_only``: the last position's logits, from one GEMM with the
-    lm_head; ``logits_to_keep=1`` makes torch.matmul batch-multiply a per-row copy of the frozen lm_head instead
-    (one that requires grad it folds; if a torch release folds both, the helper can go)."""
+    lm_head over a contiguous [rows, 1, H]; ``logits_to_keep=1`` makes torch.matmul batch-multiply a per-row copy
+    of the frozen lm_head instead (one that requires grad it folds)."""
     torch.manual_seed(0)
+    vocab = 96  # no other dimension of the model is 96: a bmm with that last dimension is the lm_head's
     config = Qwen2Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
-                         intermediate_size=64, vocab_size=96, tie_word_embeddings=tied)
+                         intermediate_size=64, vocab_size=vocab, tie_word_embeddings=tied)
     target = AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)  # frozen, as load_target leaves it
-    ids = torch.randint(0, 96, (4, 7))
+    ids = torch.randint(0, vocab, (4, 7))
 
-    def run(keep: int | torch.Tensor) -> tuple[torch.Tensor, int]:
-        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+    def run(keep: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        seen = []
+        hook = target.lm_head.register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             logits = target(ids, logits_to_keep=keep).logits
-        return logits, sum(e.count for e in prof.key_averages() if e.key == "aten::bmm")
+        hook.remove()
+        bmm = sum(e.count for e in prof.key_averages(group_by_input_shape=True)
+                  if e.key == "aten::bmm" and e.input_shapes[1][-1] == vocab)
+        return logits, seen[0], bmm
 
     with torch.no_grad():
         want = target(ids).logits[:, -1:]
-    logits, bmm = run(last_logits_only(ids))
-    assert logits.shape == (4, 1, 96) and torch.allclose(logits, want, atol=1e-6) and bmm == 0
-    assert run(1)[1] > 0
-    assert last_logits_only(ids[:, :1]) == 1  # a decode step: the int (no index tensor to copy to the device)
+    logits, h, bmm = run(last_logits_only(ids))
+    assert h.shape == (4, 1, 32) and h.is_contiguous() and bmm == 0
+    assert logits.shape == (4, 1, vocab) and torch.allclose(logits, want, atol=1e-6)
+    assert run(1)[2] > 0, "torch now folds a frozen lm_head's [rows, 1, H] view: last_logits_only can go"
+    assert last_logits_only(ids[:, :1]) == 1  # a decode step: the int

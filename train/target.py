@@ -265,11 +265,11 @@ def load_target(cfg: DictConfig, device: torch.device | None = None, dtype: torc
 def last_logits_only(ids: torch.Tensor) -> int | torch.Tensor:
     """The ``logits_to_keep`` of a target pass over ``ids`` [rows, positions] that needs only the last position's
     logits: from two positions on, an index tensor rather than ``1``. For the int, transformers slices
-    ``hidden[:, -1:]``, a view torch.matmul cannot fold into one GEMM with the lm_head: it expands the lm_head to
-    [rows, hidden, vocab] and copies it (measured on the CPU: 3.6 GB in bf16 for a prefill of 64 rows of the default
-    target, 6.1 s against 3.1 s with the index; 1.4x at 16 rows of 185 tokens). Indexing gives [rows, 1, hidden]
-    contiguous. One position (a decode step) keeps the int: no host-to-device copy per step."""
-    return 1 if ids.shape[-1] == 1 else torch.tensor([ids.shape[-1] - 1], device=ids.device)
+    ``hidden[:, -1:]``, a view torch.matmul cannot fold into one GEMM with a frozen lm_head (one that requires grad
+    it folds): it expands the lm_head to [rows, hidden, vocab] and, on the CPU, copies it (measured: 3.6 GB in bf16
+    for a prefill of 64 rows of the default target, 6.1 s against 3.1 s with the index; 1.4x at 16 rows of 185
+    tokens). Indexing gives [rows, 1, hidden] contiguous. One position (a decode step) keeps the int."""
+    return 1 if ids.shape[-1] == 1 else torch.full((1,), ids.shape[-1] - 1, device=ids.device)
 
 
 def target_files(cfg: DictConfig, names: tuple[str, ...]) -> list[Path]:
