@@ -27,7 +27,8 @@ from train.target import last_logits_only
 
 # Bumped when a change to the decoder changes its timings: cached plain / n-gram records and verify times
 # (eval.shared) measured by another version are not reused.
-DECODER_VERSION = 3  # 3: the KV cache in preallocated buffers (train.kvcache)
+DECODER_VERSION = 4  # 3: the KV cache in preallocated buffers (train.kvcache); 4: prefills index the last position
+                     # (train.target.last_logits_only) where the target computes its own logits
 
 # The two GEMM layouts of lm_head(h) = h @ W.T for h [rows, H] (SpecDecoder.logits keeps the faster per row count).
 LM_HEAD_LAYOUTS = {"linear": lambda h, w: F.linear(h, w), "mm": lambda h, w: (w @ h.T).T}
