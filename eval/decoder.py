@@ -27,8 +27,9 @@ from train.target import last_logits_only
 
 # Bumped when a change to the decoder changes its timings: cached plain / n-gram records and verify times
 # (eval.shared) measured by another version are not reused.
-DECODER_VERSION = 4  # 3: the KV cache in preallocated buffers (train.kvcache); 4: prefills index the last position
-                     # (train.target.last_logits_only) where the target computes its own logits
+DECODER_VERSION = 5  # 3: the KV cache in preallocated buffers (train.kvcache); 4: prefills index the last position
+                     # (train.target.last_logits_only) where the target computes its own logits; 5: the root alone
+                     # attends under a mask on the CPU (SpecDecoder.mask_root)
 
 # The two GEMM layouts of lm_head(h) = h @ W.T for h [rows, H] (SpecDecoder.logits keeps the faster per row count).
 LM_HEAD_LAYOUTS = {"linear": lambda h, w: F.linear(h, w), "mm": lambda h, w: (w @ h.T).T}
@@ -71,6 +72,11 @@ class SpecDecoder:
                               f"attn_implementation to be sdpa or eager, not {impl!r} (flash attention reads it as "
                               "padding, flex attention adds it to the scores: not lossless)")
         self.eager = impl == "eager"
+        # The root alone (plain decoding) on the CPU attends under an all-ones mask: transformers (>= 5.24) then
+        # packs a single query's grouped heads into [kv heads, group, dim], where SDPA's grouped-query kernel
+        # without a mask took 4x as long in bf16 (SmolLM2: 0.21 against 0.05 ms a layer at 350 positions; a
+        # plain step 39 -> 36 ms). On CUDA the unmasked flash kernel reads grouped heads itself.
+        self.mask_root = self.device.type == "cpu" and not self.eager
         if self.device.type == "cuda":
             # PyTorch picks cuDNN attention first on Hopper/Blackwell (cuDNN > 9.15), which builds a plan for each
             # new key length: every decode step, verify and draft step would pay one (~20-40 ms), timed as decoding.
@@ -97,11 +103,11 @@ class SpecDecoder:
 
     def verify(self, cache: DynamicCache, root: int, tree: DraftTree, hidden_layers: list[int]):
         """One target pass over root + tree nodes; returns (logits [m+1, vocab], hidden_states or None). The
-        root alone (plain decoding, an empty draft) passes no mask: with one, SDPA on CUDA expands grouped KV
-        heads to every query head at each layer (`repeat_kv`) instead of reading them grouped."""
+        root alone (plain decoding, an empty draft) passes a mask only where that is faster (``mask_root``)."""
         past = cache.get_seq_length()
         if not tree.tokens:
-            return self.forward(torch.tensor([[root]], device=self.device), hidden_layers, cache)
+            mask = torch.ones(1, 1, 1, past + 1, dtype=torch.bool, device=self.device) if self.mask_root else None
+            return self.forward(torch.tensor([[root]], device=self.device), hidden_layers, cache, attention_mask=mask)
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)
         positions = past + torch.tensor(tree.depths(), device=self.device)
         tree_mask = tree.ancestor_mask(self.device)

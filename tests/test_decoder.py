@@ -461,6 +461,32 @@ def test_lm_head_layouts_agree_and_are_timed_once_per_row_count(tiny: Setup, mon
             assert torch.allclose(decoder.logits(h), h @ weight.T, atol=1e-5)
     assert timed == [1, 3, 8]
 
+def test_plain_step_on_the_cpu_attends_grouped_heads_packed(tiny: Setup, monkeypatch):
+    """The root alone (plain decoding) on the CPU passes an all-ones mask, so transformers hands SDPA each layer's
+    single query packed as [kv heads, group, dim] (4x faster in bf16 than SDPA's own grouped-query kernel, which
+    it takes without a mask); the logits and hidden states equal the unmasked pass's."""
+    config = tiny.target.config
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    assert kv < heads  # the tiny twins are grouped-query, like the presets
+    decoder = SpecDecoder(tiny.target)
+    assert decoder.mask_root
+    calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, *args, **kwargs):
+        calls.append((query.shape[1], kwargs.get("enable_gqa", False)))
+        return sdpa(query, *args, **kwargs)
+
+    layers = [1, config.num_hidden_layers]
+    with torch.inference_mode():
+        cache, _, _ = decoder.prefill(tiny.prompts[0], layers)
+        unmasked = decoder.forward(torch.tensor([[7]]), layers, cache)
+        cache.crop(-1)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        logits, hidden = decoder.verify(cache, 7, DraftTree([], []), layers)
+    assert calls == [(kv, False)] * config.num_hidden_layers
+    assert torch.allclose(logits, unmasked[0], atol=1e-5)
+    assert all(torch.allclose(hidden[i], unmasked[1][i], atol=1e-5) for i in layers)
+
 
 # ---------------------------------------------------------------------------------------------------
 # The real default target (SmolLM2-135M-Instruct)
