@@ -220,11 +220,11 @@ class HybridDrafter:
 
 def medusa_choices(ecfg, num_heads: int, chain: bool = False) -> list[tuple[int, ...]]:
     """The Medusa tree: top-1 of each head (up to ``chain_k``) for a chain, else ``eval.medusa_choices``
-    (``auto``: :func:`default_medusa_choices`)."""
+    (``auto``: :func:`default_medusa_choices` of ``eval.tree.total_tokens`` tokens, the root included)."""
     if chain:
         return [(0,) * d for d in range(1, min(ecfg.chain_k, num_heads) + 1)]
     if ecfg.medusa_choices in (None, "auto"):
-        return default_medusa_choices(num_heads)
+        return default_medusa_choices(num_heads, int(ecfg.tree.total_tokens) - 1)
     return [tuple(c) for c in ecfg.medusa_choices]
 
 

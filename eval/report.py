@@ -141,11 +141,14 @@ def markdown(report: dict) -> str:
         if tree.get("calibration"):
             lines.append(f"- tau measured on {tree['calibration']}")
     else:
-        lines.append(f"- Medusa tree: {tree['medusa_nodes']} nodes")
+        source = f" ({tree['total_tokens_source']})" if tree.get("total_tokens") else " (eval.medusa_choices)"
+        lines.append(f"- Medusa tree: {tree['medusa_nodes']} nodes{source}")
+        if tree.get("calibration"):
+            lines.append(f"- tau measured on {tree['calibration']}")
     lines += [f"- chains: {tree['chain_k']} draft tokens; verify time of the target vs tree tokens on this machine:", ""]
     sizes = list(tree["verify_ms"])
     rows = [["verify ms", *[tree["verify_ms"][s] for s in sizes]]]
-    for key, label in (("draft_ms", "draft ms (EAGLE tree)"), ("acceptance_curve", "tau (measured)"),
+    for key, label in (("draft_ms", f"draft ms ({'EAGLE' if report['head'] == 'eagle3' else 'Medusa'} tree)"), ("acceptance_curve", "tau (measured)"),
                        ("predicted_speedup", "predicted speedup")):
         if tree.get(key):
             rows.append([label, *[tree[key].get(s) for s in sizes]])

@@ -34,7 +34,7 @@ from data.formats import read_jsonl, rewrite_jsonl
 from data.regenerate import eos_ids
 from data.template import prompt_ids, set_thinking, with_system
 from eval.decoder import Generation, SpecDecoder
-from eval.drafters import Drafter, Eagle3Drafter, build_drafter, medusa_choices
+from eval.drafters import Drafter, Eagle3Drafter, MedusaDrafter, build_drafter, medusa_choices
 from eval.prompts import EvalPrompt, calibration_prompts, load_prompts
 from eval.report import aggregate, decoder_bugs, log_wandb, markdown, plot, recommend
 from eval.shared import (
@@ -46,6 +46,7 @@ from eval.shared import (
     digest,
     target_identity,
 )
+from eval.tree import choice_order, default_medusa_choices
 from eval.treesize import acceptance_curve, choose_total_tokens, draft_times, measure_verify_time
 from heads.io import head_type, load_head
 from train.log import log, progress
@@ -209,26 +210,36 @@ def _ints(curve: dict) -> dict[int, float]:
 
 def measure_acceptance(cfg: DictConfig, decoder: SpecDecoder, head, tokenizer, prompts: list[EvalPrompt],
                        context: list[int], sizes: tuple[int, ...], bar: tqdm | None = None) -> dict:
-    """An EAGLE-3 head's draft ms per tree size (``context`` cached) and its acceptance curve tau(T) from
-    greedy decodes of ``prompts`` with the largest tree; ``bar`` advances per size and per prompt."""
-    t, layers = cfg.eval.tree, list(head.config.aux_layers)
-    _, _, hidden = decoder.prefill(context[:-1], layers)
+    """A head's draft ms per tree size (``context`` cached) and its acceptance curve tau(T) from greedy decodes of
+    ``prompts`` with the largest tree: EAGLE-3's dynamic tree (its T - 1 best-scored nodes), Medusa's default tree
+    (its first T - 1 paths); ``bar`` advances per size and per prompt."""
+    t, layers = cfg.eval.tree, decoder.target.config.num_hidden_layers
+
+    def tree(size: int) -> Eagle3Drafter | MedusaDrafter:
+        if head_type(head) == "eagle3":
+            return Eagle3Drafter(head, "tree", t.top_k, t.depth, size)
+        return MedusaDrafter(head, layers, default_medusa_choices(head.config.num_heads, size - 1))
+
+    largest = tree(max(sizes))
+    _, _, hidden = decoder.prefill(context[:-1], largest.hidden_layers)
     draft_ms = {}
     for s in (s for s in sizes if s >= 2):
-        drafter = Eagle3Drafter(head, "tree", t.top_k, t.depth, s)
-        draft_ms[s] = sum(draft_times(decoder, drafter, context, hidden).values())
+        draft_ms[s] = sum(draft_times(decoder, tree(s), context, hidden).values())
         bar and bar.update()
-    drafter, gens = Eagle3Drafter(head, "tree", t.top_k, t.depth, max(sizes)), []
+    gens = []
     for p in prompts:
-        gens += converse(decoder, drafter, tokenizer, p, cfg, 0.0, cfg.seed)
+        gens += converse(decoder, largest, tokenizer, p, cfg, 0.0, cfg.seed)
         bar and bar.update()
-    return {"draft_ms": draft_ms, "acceptance_curve": acceptance_curve(gens, sizes), "decodes": len(gens)}
+    order = choice_order(default_medusa_choices(head.config.num_heads, max(sizes) - 1)) \
+        if isinstance(largest, MedusaDrafter) else None
+    return {"draft_ms": draft_ms, "acceptance_curve": acceptance_curve(gens, sizes, order), "decodes": len(gens)}
 
 
 def size_tree(cfg: DictConfig, decoder: SpecDecoder, head, tokenizer, cache: JsonCache | None = None,
               head_id: str | None = None) -> dict:
-    """Verify time vs tree tokens on this machine and, with ``tree.total_tokens=auto``, the EAGLE tree
-    size with the best predicted speedup from an acceptance curve measured on HELD-OUT prompts
+    """Verify time vs tree tokens on this machine and, with ``tree.total_tokens=auto``, the tree size (EAGLE's, or
+    Medusa's default tree with ``medusa_choices=auto``) with the best predicted speedup from an acceptance curve
+    measured on HELD-OUT prompts
     (:func:`eval.prompts.calibration_prompts`: never timed, never trained on; ``calibration`` says which).
     With a ``cache`` the verify curve (per target + machine: every head's eval shares it) and, given the
     head's identity ``head_id``, its draft times and acceptance curve are read from it, else measured and
@@ -238,11 +249,12 @@ def size_tree(cfg: DictConfig, decoder: SpecDecoder, head, tokenizer, cache: Jso
     prompts, source = calibration_prompts(cfg, max(t.calibration_prompts, 8))
     context = context_ids(tokenizer, prompts, t.context)
     sizes = tuple(int(s) for s in t.sizes)
-    auto = kind == "eagle3" and t.total_tokens == "auto"
+    grown = kind == "eagle3" or cfg.eval.medusa_choices in (None, "auto")   # a tree whose size total_tokens sets
+    auto = grown and t.total_tokens == "auto"
     calibration = prompts[: t.calibration_prompts]
     vkey = {"verify_ms": sizes, "context": digest(context), "timing": "paired with 1-token passes"}
     akey = {"acceptance": head_id, "context": digest(context), "prompts": digest([p.turns for p in calibration]),
-            "sizes": sizes, "top_k": t.top_k, "depth": t.depth, "max_new_tokens": cfg.eval.max_new_tokens,
+            "sizes": sizes, "tree": kind, "top_k": t.top_k, "depth": t.depth, "max_new_tokens": cfg.eval.max_new_tokens,
             "seed": cfg.seed, "system_prompt": cfg.data.system_prompt, "thinking": cfg.data.get("thinking")}
     acache = cache if head_id else JsonCache(None)
     verify, accept = cache.get(vkey), acache.get(akey) if auto else None
@@ -263,10 +275,11 @@ def size_tree(cfg: DictConfig, decoder: SpecDecoder, head, tokenizer, cache: Jso
         log(f"[eval] total_tokens={info['total_tokens']} (predicted speedups {info['predicted_speedup']}; "
             f"tau measured on {info['calibration']})")
     else:
-        info["total_tokens"], info["total_tokens_source"] = int(t.total_tokens) if kind == "eagle3" else None, "config"
+        info["total_tokens"], info["total_tokens_source"] = int(t.total_tokens) if grown else None, "config"
     if bar is not None:
         bar.close()
-    info["medusa_nodes"] = len(medusa_choices(cfg.eval, head.config.num_heads)) if kind == "medusa" else None
+    resolved = OmegaConf.merge(cfg.eval, {"tree": {"total_tokens": info["total_tokens"]}})
+    info["medusa_nodes"] = len(medusa_choices(resolved, head.config.num_heads)) if kind == "medusa" else None
     return info
 
 

@@ -67,10 +67,15 @@ class DraftTree:
         return DraftTree(tokens, parents)
 
 
+def _node_paths(choices: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The distinct paths of ``choices`` in node order (1..m): by length then value, so parents come first."""
+    return sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
+
+
 def static_tree(choices: list[tuple[int, ...]]) -> tuple[list[int], list[int], list[int]]:
     """Medusa paths -> (parents, head, rank) of nodes 1..m: node (a, b, c) is the c-th choice of head 2
     (0-based) under node (a, b). Paths sorted by length then value, so parents come first."""
-    paths = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
+    paths = _node_paths(choices)
     index = {(): 0} | {c: i for i, c in enumerate(paths, 1)}
     missing = [c for c in paths if c[:-1] not in index]
     if missing:
@@ -78,9 +83,17 @@ def static_tree(choices: list[tuple[int, ...]]) -> tuple[list[int], list[int], l
     return [index[c[:-1]] for c in paths], [len(c) - 1 for c in paths], [c[-1] for c in paths]
 
 
+def choice_order(choices: list[tuple[int, ...]]) -> list[int]:
+    """For node i of :func:`static_tree` (root 0), the 1-based position of its path in ``choices``: of a tree grown
+    choice by choice (:func:`default_medusa_choices`), the first T - 1 choices are its nodes below T."""
+    position = {tuple(int(r) for r in c): i for i, c in enumerate(choices, 1)}
+    return [0] + [position[c] for c in _node_paths(choices)]
+
+
 def default_medusa_choices(num_heads: int, size: int = 15) -> list[tuple[int, ...]]:
     """A sparse tree of ``size`` nodes: the paths most likely to be accepted under a simple prior (each
-    head is right with probability 0.6 / (rank + 1) ** 1.5), the same shape as Medusa's published trees."""
+    head is right with probability 0.6 / (rank + 1) ** 1.5), the same shape as Medusa's published trees, in the
+    order they are added: a smaller ``size`` gives the first ``size`` paths of a larger one."""
     def prior(path: tuple[int, ...]) -> float:
         out = 1.0
         for rank in path:

@@ -87,13 +87,17 @@ def draft_times(decoder: SpecDecoder, drafter: Drafter, context: list[int], hidd
     return {k: 1e3 * statistics.median(v[1:]) for k, v in times.items()}
 
 
-def acceptance_curve(generations: list[Generation], sizes: tuple[int, ...]) -> dict[int, float]:
+def acceptance_curve(generations: list[Generation], sizes: tuple[int, ...],
+                     order: list[int] | None = None) -> dict[int, float]:
     """Expected tokens per cycle (accepted + bonus) had the tree held only ``T`` tokens, for T in
-    ``sizes``, from greedy generations with a larger score-ordered tree: a path's nodes below T stay."""
+    ``sizes``, from greedy generations with a larger tree whose nodes entered it in ``order`` (node -> its
+    1-based place; default: the node's own number, as in EAGLE's score-ordered tree): a path's nodes placed
+    below T stay (a parent is placed before its children, so they are the path's first nodes)."""
     paths = [p for g in generations for p in g.paths]
     if not paths:
         return {size: 1.0 for size in sizes}
-    return {size: 1.0 + sum(sum(node < size for node in p) for p in paths) / len(paths) for size in sizes}
+    place = (lambda node: node) if order is None else order.__getitem__
+    return {size: 1.0 + sum(sum(place(node) < size for node in p) for p in paths) / len(paths) for size in sizes}
 
 
 def choose_total_tokens(verify_ms: dict[int, float], tau: dict[int, float],

@@ -87,7 +87,7 @@ def main() -> None:
     if kind == "eagle3":
         print(f"  EAGLE tree total_tokens = {tree['total_tokens']} ({tree['total_tokens_source']})")
     else:
-        print(f"  Medusa tree: {tree['medusa_nodes']} nodes")
+        print(f"  Medusa tree: {tree['medusa_nodes']} nodes ({tree['total_tokens_source']})")
 
     ecfg = OmegaConf.merge(cfg.eval, {"tree": {"total_tokens": tree["total_tokens"]}})
     methods = resolve_methods("auto", kind)

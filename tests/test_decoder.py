@@ -28,6 +28,7 @@ from eval import (
     accept,
     acceptance_curve,
     build_drafter,
+    choice_order,
     choose_total_tokens,
     default_medusa_choices,
     measure_verify_time,
@@ -128,6 +129,33 @@ def test_static_tree_and_default_choices():
         choices = default_medusa_choices(n)
         assert 10 <= len(choices) <= 20 and max(map(len, choices)) <= n
         static_tree(choices)   # every prefix present
+
+
+def test_default_medusa_trees_grow_by_their_likeliest_paths():
+    """A smaller default tree is the first paths of a larger one, so one decode with the largest tree measures
+    every size: of an accepted path of the large tree, the nodes a small tree keeps (``choice_order`` below T)
+    are exactly the path's nodes present in the small tree, and they are its first ones."""
+    rng = random.Random(0)
+    for heads in (1, 2, 3, 5):
+        large = default_medusa_choices(heads, 63)
+        assert len(large) == 63 and len(set(large)) == 63
+        for size in range(1, 64):
+            assert default_medusa_choices(heads, size) == large[:size]
+        parents, _, _ = static_tree(large)
+        order, paths = choice_order(large), sorted(set(large), key=lambda c: (len(c), c))
+        for _ in range(50):   # a random root-to-node path of the large tree
+            node, path = rng.randrange(1, 64), []
+            while node:
+                path.insert(0, node)
+                node = parents[node - 1]
+            for tokens in (2, 4, 9, 17, 64):
+                kept = set(default_medusa_choices(heads, tokens - 1))
+                present = [paths[n - 1] in kept for n in path]
+                assert present == sorted(present, reverse=True)           # the path's first nodes
+                assert sum(present) == sum(order[n] < tokens for n in path)
+    gens = [Generation([0] * 4, cycles=2, paths=[[1, 3]])]   # node 3 entered the tree second (place 2)
+    assert acceptance_curve(gens, (2, 3, 4), order=[0, 1, 3, 2]) == {2: 2.0, 3: 3.0, 4: 3.0}
+    assert acceptance_curve(gens, (2, 3, 4)) == {2: 2.0, 3: 2.0, 4: 3.0}    # places = node numbers (EAGLE's)
 
 
 def test_ngram_lookup():
