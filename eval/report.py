@@ -148,7 +148,8 @@ def markdown(report: dict) -> str:
     lines += [f"- chains: {tree['chain_k']} draft tokens; verify time of the target vs tree tokens on this machine:", ""]
     sizes = list(tree["verify_ms"])
     rows = [["verify ms", *[tree["verify_ms"][s] for s in sizes]]]
-    for key, label in (("draft_ms", f"draft ms ({'EAGLE' if report['head'] == 'eagle3' else 'Medusa'} tree)"), ("acceptance_curve", "tau (measured)"),
+    drafted = f"draft ms ({'EAGLE' if report['head'] == 'eagle3' else 'Medusa'} tree)"
+    for key, label in (("draft_ms", drafted), ("acceptance_curve", "tau (measured)"),
                        ("predicted_speedup", "predicted speedup")):
         if tree.get(key):
             rows.append([label, *[tree[key].get(s) for s in sizes]])

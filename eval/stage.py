@@ -254,7 +254,8 @@ def size_tree(cfg: DictConfig, decoder: SpecDecoder, head, tokenizer, cache: Jso
     calibration = prompts[: t.calibration_prompts]
     vkey = {"verify_ms": sizes, "context": digest(context), "timing": "paired with 1-token passes"}
     akey = {"acceptance": head_id, "context": digest(context), "prompts": digest([p.turns for p in calibration]),
-            "sizes": sizes, "tree": kind, "top_k": t.top_k, "depth": t.depth, "max_new_tokens": cfg.eval.max_new_tokens,
+            "sizes": sizes, "tree": kind, "top_k": t.top_k, "depth": t.depth,
+            "max_new_tokens": cfg.eval.max_new_tokens,
             "seed": cfg.seed, "system_prompt": cfg.data.system_prompt, "thinking": cfg.data.get("thinking")}
     acache = cache if head_id else JsonCache(None)
     verify, accept = cache.get(vkey), acache.get(akey) if auto else None
@@ -278,9 +279,18 @@ def size_tree(cfg: DictConfig, decoder: SpecDecoder, head, tokenizer, cache: Jso
         info["total_tokens"], info["total_tokens_source"] = int(t.total_tokens) if grown else None, "config"
     if bar is not None:
         bar.close()
-    resolved = OmegaConf.merge(cfg.eval, {"tree": {"total_tokens": info["total_tokens"]}})
-    info["medusa_nodes"] = len(medusa_choices(resolved, head.config.num_heads)) if kind == "medusa" else None
+    info["medusa_nodes"] = None if kind != "medusa" else len(medusa_choices(sized(cfg.eval, info),
+                                                                            head.config.num_heads))
     return info
+
+
+def sized(ecfg: DictConfig, tree: dict) -> DictConfig:
+    """``eval`` with the tree :func:`size_tree` chose: ``tree.total_tokens`` resolved. A Medusa tree kept by an
+    eval from before Medusa's tree was sized has none: its node count gives the same default tree."""
+    total = tree["total_tokens"]
+    if total is None and tree.get("medusa_nodes"):
+        total = tree["medusa_nodes"] + 1
+    return OmegaConf.merge(ecfg, {"tree": {"total_tokens": total}})
 
 
 # Tree tokens whose verify times (summed) choose the precision of eval.dtype=auto: plain decoding, a chain, a tree.
@@ -506,8 +516,7 @@ def run(cfg: DictConfig) -> dict:
         tree = size_tree(cfg, decoder, head, tokenizer, JsonCache(shared_dir / "sizing", identity, fresh),
                          upstream_ids(cfg, "eval")["train"])
         store.keep_tree(tree)
-    ecfg = OmegaConf.merge(cfg.eval, {"tree": {"total_tokens": tree["total_tokens"]}})
-    drafters = {m: build_drafter(m, head, target.config.num_hidden_layers, ecfg) for m in methods}
+    drafters = {m: build_drafter(m, head, target.config.num_hidden_layers, sized(cfg.eval, tree)) for m in methods}
     scorer = Fp32Scorer(target, cfg, fp32)
     records = [r for temperature in cfg.eval.temperatures
                for r in evaluate(cfg, decoder, drafters, tokenizer, prompts, float(temperature), scorer, store,

@@ -26,14 +26,13 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 
 from eval.bench import random_head  # noqa: E402
 from eval.decoder import SpecDecoder  # noqa: E402
 from eval.drafters import build_drafter  # noqa: E402
 from eval.prompts import load_prompts  # noqa: E402
 from eval.report import aggregate  # noqa: E402
-from eval.stage import context_ids, eos_token_ids, eval_target, evaluate, resolve_methods, size_tree  # noqa: E402
+from eval.stage import context_ids, eos_token_ids, eval_target, evaluate, resolve_methods, size_tree, sized  # noqa: E402
 from eval.treesize import draft_times  # noqa: E402
 from heads.io import head_type, load_head  # noqa: E402
 from train.config import compose  # noqa: E402
@@ -89,7 +88,7 @@ def main() -> None:
     else:
         print(f"  Medusa tree: {tree['medusa_nodes']} nodes ({tree['total_tokens_source']})")
 
-    ecfg = OmegaConf.merge(cfg.eval, {"tree": {"total_tokens": tree["total_tokens"]}})
+    ecfg = sized(cfg.eval, tree)
     methods = resolve_methods("auto", kind)
     drafters = {m: build_drafter(m, head, target.config.num_hidden_layers, ecfg) for m in methods}
     context = context_ids(tokenizer, prompts, cfg.eval.tree.context)

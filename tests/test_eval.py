@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 import train.stages as stages
 from eval.bench import random_head
 from eval.decoder import SpecDecoder
-from eval.drafters import PlainDrafter
+from eval.drafters import PlainDrafter, medusa_choices
 from eval.prompts import EvalPrompt
 from eval.report import RESULT_KEYS, aggregate, decoder_bugs, markdown, recommend
 from eval.stage import (
@@ -29,8 +29,10 @@ from eval.stage import (
     eval_target,
     first_divergence,
     precision_spread,
+    sized,
     turn_prompt,
 )
+from eval.tree import default_medusa_choices
 from heads.io import save_head
 from train.target import load_target, load_tokenizer
 
@@ -53,6 +55,16 @@ def fake_train(cfg) -> dict:
     head = random_head(cfg.head.type, load_target(cfg), cfg.head, torch.arange(200))
     save_head(head, stages.stage_dir(cfg, "train") / "head")
     return {}
+
+
+def test_the_sized_tree_resolves_the_medusa_tree(cfg_factory):
+    """The drafters take the tree size :func:`size_tree` chose; a Medusa tree kept by an eval from before Medusa's tree
+    was sized (no total_tokens, 15 nodes) resumes as the same tree; an explicit list stays as given."""
+    ecfg = cfg_factory("head=medusa").eval
+    assert medusa_choices(sized(ecfg, {"total_tokens": 8, "medusa_nodes": 7}), 3) == default_medusa_choices(3, 7)
+    assert medusa_choices(sized(ecfg, {"total_tokens": None, "medusa_nodes": 15}), 3) == default_medusa_choices(3, 15)
+    listed = OmegaConf.merge(ecfg, {"medusa_choices": [[0], [1], [0, 0]]})
+    assert medusa_choices(sized(listed, {"total_tokens": None, "medusa_nodes": 3}), 3) == [(0,), (1,), (0, 0)]
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "medusa"])
