@@ -75,8 +75,12 @@ class SpecDecoder:
         # The root alone (plain decoding) on the CPU attends under an all-ones mask: transformers (>= 5.24) then
         # packs a single query's grouped heads into [kv heads, group, dim], where SDPA's grouped-query kernel
         # without a mask took 4x as long in bf16 (SmolLM2: 0.21 against 0.05 ms a layer at 350 positions; a
-        # plain step 39 -> 36 ms). On CUDA the unmasked flash kernel reads grouped heads itself.
-        self.mask_root = self.device.type == "cpu" and not self.eager
+        # plain step 39 -> 36 ms). On CUDA the unmasked flash kernel reads grouped heads itself; without grouped
+        # heads there is nothing to pack; a sliding-window layer attends fewer keys than the mask would name.
+        config = target.config
+        grouped = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) < config.num_attention_heads
+        full = all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ["full_attention"])
+        self.mask_root = self.device.type == "cpu" and not self.eager and grouped and full
         if self.device.type == "cuda":
             # PyTorch picks cuDNN attention first on Hopper/Blackwell (cuDNN > 9.15), which builds a plan for each
             # new key length: every decode step, verify and draft step would pay one (~20-40 ms), timed as decoding.

@@ -186,17 +186,19 @@ class MedusaDrafter(PlainDrafter):
         self.head = head
         self.hidden_layers = [num_target_layers]
         self.parents, heads, ranks = static_tree(choices)
-        if max(heads) >= head.config.num_heads:
+        if max(heads, default=0) >= head.config.num_heads:
             raise ValueError(f"medusa_choices reach depth {max(heads) + 1} but the head has {head.config.num_heads} heads")
         dev = head.d2t.device
         self.node_head, self.node_rank = torch.tensor(heads, device=dev), torch.tensor(ranks, device=dev)
-        self.top = max(ranks) + 1
+        self.top = max(ranks, default=-1) + 1   # 0: no tree (eval.tree.total_tokens=1), plain decoding
         self.vocab = head.draft_ids()
 
     def update(self, ids: list[int], hidden: dict[int, torch.Tensor]) -> None:
         self.hidden = hidden[self.hidden_layers[0]][:, -1]
 
     def propose(self, ids: list[int]) -> DraftTree:
+        if not self.top:
+            return DraftTree([], [])
         top = self.head(self.hidden.to(self.head.lm_heads[0].weight.dtype))[:, 0].topk(self.top, -1).indices
         return DraftTree(self.vocab[top[self.node_head, self.node_rank]].tolist(), self.parents)
 

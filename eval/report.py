@@ -141,7 +141,7 @@ def markdown(report: dict) -> str:
         if tree.get("calibration"):
             lines.append(f"- tau measured on {tree['calibration']}")
     else:
-        source = f" ({tree['total_tokens_source']})" if tree.get("total_tokens") else " (eval.medusa_choices)"
+        source = f" ({tree['total_tokens_source']})" if tree.get("total_tokens") else ""
         lines.append(f"- Medusa tree: {tree['medusa_nodes']} nodes{source}")
         if tree.get("calibration"):
             lines.append(f"- tau measured on {tree['calibration']}")

@@ -254,7 +254,8 @@ def size_tree(cfg: DictConfig, decoder: SpecDecoder, head, tokenizer, cache: Jso
     calibration = prompts[: t.calibration_prompts]
     vkey = {"verify_ms": sizes, "context": digest(context), "timing": "paired with 1-token passes"}
     akey = {"acceptance": head_id, "context": digest(context), "prompts": digest([p.turns for p in calibration]),
-            "sizes": sizes, "tree": kind, "top_k": t.top_k, "depth": t.depth,
+            "sizes": sizes, "top_k": t.top_k, "depth": t.depth,
+            "tree": kind if kind == "eagle3" else digest(default_medusa_choices(head.config.num_heads, max(sizes) - 1)),
             "max_new_tokens": cfg.eval.max_new_tokens,
             "seed": cfg.seed, "system_prompt": cfg.data.system_prompt, "thinking": cfg.data.get("thinking")}
     acache = cache if head_id else JsonCache(None)

@@ -4,7 +4,8 @@ speedup(T) ~= tau(T) * t_verify(1) / (t_verify(T) + t_draft(T)): the target's ve
 number of tree tokens T (slowly on a GPU, quickly on a CPU) while the accepted length tau(T) saturates.
 All three are measured: the verify time with the decoder's own verify pass on a real context, the draft
 time with the drafter itself, tau(T) from greedy decodes with the largest tree (EAGLE trees are
-returned in score order, so the tree of T tokens is the first T - 1 nodes of a bigger one).
+returned in score order, and Medusa's default tree adds its likeliest paths first, so the tree of T tokens
+is the first T - 1 nodes of a bigger one).
 """
 
 from __future__ import annotations

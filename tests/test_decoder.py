@@ -489,6 +489,38 @@ def test_lm_head_layouts_agree_and_are_timed_once_per_row_count(tiny: Setup, mon
             assert torch.allclose(decoder.logits(h), h @ weight.T, atol=1e-5)
     assert timed == [1, 3, 8]
 
+@pytest.mark.parametrize("config, masked", [
+    ({}, True),
+    ({"num_key_value_heads": 4}, False),                                      # no grouped heads to pack
+    ({"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True}, False),
+])
+def test_the_root_is_masked_only_where_it_packs_grouped_heads(config, masked):
+    """Only grouped-query targets with full attention in every layer: a sliding-window layer attends fewer keys than
+    an all-ones mask names. Plain decoding equals transformers' greedy generate (the decoder's cache rollback
+    does not run past a sliding window: transformers' sliding layers refuse `crop` there)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**{"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                         "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 6, **config})
+    cfg._attn_implementation = "sdpa"
+    target = Qwen2ForCausalLM(cfg).eval()
+    decoder = SpecDecoder(target, [63])
+    assert decoder.mask_root is masked
+    if "layer_types" in config:
+        return
+    ids = list(range(3, 23))
+    with torch.inference_mode():
+        reference = hf_greedy(target, ids, 10, {63})
+    assert decoder.generate(ids, build_drafter("plain", None, 0, eval_cfg()), 10).tokens == reference
+
+
+def test_a_medusa_tree_of_one_token_is_plain_decoding(tiny: Setup):
+    drafter = tiny.drafter("medusa-tree", total_tokens=1)
+    out = tiny.decoder.generate(tiny.prompts[0], drafter, NEW_TOKENS)
+    assert out.tokens == tiny.reference[0] and out.tau == 1.0
+
+
 def test_plain_step_on_the_cpu_attends_grouped_heads_packed(tiny: Setup, monkeypatch):
     """The root alone (plain decoding) on the CPU passes an all-ones mask, so transformers hands SDPA each layer's
     single query packed as [kv heads, group, dim] (4x faster in bf16 than SDPA's own grouped-query kernel, which
