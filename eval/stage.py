@@ -214,11 +214,13 @@ def measure_acceptance(cfg: DictConfig, decoder: SpecDecoder, head, tokenizer, p
     ``prompts`` with the largest tree: EAGLE-3's dynamic tree (its T - 1 best-scored nodes), Medusa's default tree
     (its first T - 1 paths); ``bar`` advances per size and per prompt."""
     t, layers = cfg.eval.tree, decoder.target.config.num_hidden_layers
+    eagle = head_type(head) == "eagle3"
+    paths = None if eagle else default_medusa_choices(head.config.num_heads, max(sizes) - 1)  # likeliest first
 
     def tree(size: int) -> Eagle3Drafter | MedusaDrafter:
-        if head_type(head) == "eagle3":
+        if eagle:
             return Eagle3Drafter(head, "tree", t.top_k, t.depth, size)
-        return MedusaDrafter(head, layers, default_medusa_choices(head.config.num_heads, size - 1))
+        return MedusaDrafter(head, layers, paths[:size - 1])   # = default_medusa_choices(heads, size - 1)
 
     largest = tree(max(sizes))
     _, _, hidden = decoder.prefill(context[:-1], largest.hidden_layers)
@@ -230,8 +232,7 @@ def measure_acceptance(cfg: DictConfig, decoder: SpecDecoder, head, tokenizer, p
     for p in prompts:
         gens += converse(decoder, largest, tokenizer, p, cfg, 0.0, cfg.seed)
         bar and bar.update()
-    order = choice_order(default_medusa_choices(head.config.num_heads, max(sizes) - 1)) \
-        if isinstance(largest, MedusaDrafter) else None
+    order = None if eagle else choice_order(paths)
     return {"draft_ms": draft_ms, "acceptance_curve": acceptance_curve(gens, sizes, order), "decodes": len(gens)}
 
 

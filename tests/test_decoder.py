@@ -489,6 +489,7 @@ def test_lm_head_layouts_agree_and_are_timed_once_per_row_count(tiny: Setup, mon
             assert torch.allclose(decoder.logits(h), h @ weight.T, atol=1e-5)
     assert timed == [1, 3, 8]
 
+
 @pytest.mark.parametrize("config, masked", [
     ({}, True),
     ({"num_key_value_heads": 4}, False),                                      # no grouped heads to pack
