@@ -3,9 +3,10 @@
 Reads ``<run_dir>/train/head/``; writes into ``<run_dir>/eval/``: ``report.json`` (schema in
 :func:`run`), ``report.md``, ``records.jsonl`` (one line per prompt x method x temperature) and PNG plots.
 Resumable: the records of each prompt are appended to ``records.jsonl`` (flushed, fsync'ed) as soon as
-it is decoded, and ``progress.json`` keeps the eval fingerprint and the tree sizing result; a rerun with
-the same fingerprint (after a crash) keeps them and decodes only the prompts whose records are missing
-(``force=[eval]`` or another fingerprint starts over).
+it is decoded, and ``progress.json`` keeps the eval fingerprint (with the machine and the decoder's timing
+version: ``eval.shared.target_identity``) and the tree sizing result; a rerun with the same fingerprint (after a
+crash) keeps them and decodes only the prompts whose records are missing (``force=[eval]``, another fingerprint,
+machine or decoder version starts over, so one report never mixes timings of two).
 Plain decoding and every method run in the same process, prompt by prompt, so machine noise hits
 both. Plain and n-gram decoding do not depend on the head: with ``eval.share_baselines`` (default) their
 records (tokens and timings) are kept per target, machine and decode setting under ``eval.shared_dir``
@@ -507,8 +508,9 @@ def run(cfg: DictConfig) -> dict:
 
     methods = resolve_methods(OmegaConf.to_container(cfg.eval.methods) if OmegaConf.is_config(cfg.eval.methods)
                               else cfg.eval.methods, kind)
-    store = Records(out, fingerprint(cfg, "eval"), methods, fresh)
     identity = target_identity(target_fingerprint(cfg), decoder.eos, target)
+    # Records timed on another machine or by another decoder version are not mixed with this run's.
+    store = Records(out, digest([fingerprint(cfg, "eval"), identity]), methods, fresh)
     baselines = (Baselines(shared_dir, {**identity, **baseline_settings(cfg)}, fresh) if cfg.eval.share_baselines
                  else None)
     if store.tree is not None:

@@ -453,6 +453,7 @@ def fake_train(cfg) -> dict:
 
 
 def test_eval_resumes_from_its_records(tmp_path, monkeypatch):
+    import eval.shared
     import eval.stage
 
     torch.set_num_threads(1)
@@ -491,10 +492,20 @@ def test_eval_resumes_from_its_records(tmp_path, monkeypatch):
     keys = [(json.loads(r)["id"], json.loads(r)["method"], json.loads(r)["temperature"]) for r in again]
     assert len(set(keys)) == 16
 
+    # Crashed again, then resumed by another decoder version: its timings are not mixed with the kept ones.
+    (out / "records.jsonl").write_text("\n".join(records[:5]) + "\n")
+    for name in (stages.MARKER, "report.json"):
+        (out / name).unlink()
+    calls.clear()
+    monkeypatch.setattr(eval.shared, "DECODER_VERSION", eval.shared.DECODER_VERSION + 1)
+    run_stages(cfg)
+    assert len(calls) >= 8 * 2 and len(sized) == 2  # (+ the tree sizing's calibration decodes)
+    assert len((out / "records.jsonl").read_text().splitlines()) == 16
+
     # force=[eval] starts over.
     calls.clear()
     run_stages(make_cfg([*overrides, "force=[eval]"], tmp_path))
-    assert len(calls) >= 8 * 2 and len(sized) == 2  # (+ the tree sizing's calibration decodes)
+    assert len(calls) >= 8 * 2 and len(sized) == 3
 
 
 EVAL = ["eval.datasets=[builtin]", "eval.limit=4", "eval.warmup=0", "eval.max_new_tokens=24",
