@@ -44,6 +44,7 @@ from data.regenerate import (
     _answered,
     add_answer,
     answer_room,
+    assistant_message,
     cache_line,
     cut_at_length,
     eos_ids,
@@ -433,9 +434,10 @@ class OpenAIClient:
         choice["usage"] = out.get("usage") or {}
         return choice
 
-    def answer(self, choice: dict, tokenizer, eos: set[int]) -> tuple[str, int, bool]:
-        """(text, tokens, hit_eos) of a :meth:`complete` choice: its token ids without the end token, decoded by
-        the target's tokenizer as the hf backend does (a server without answer ids: its text and token count).
+    def answer(self, choice: dict, tokenizer, eos: set[int]) -> tuple[dict, int, bool]:
+        """(assistant message, tokens, hit_eos) of a :meth:`complete` choice: its token ids without the end token
+        (``token_ids``) and their text decoded by the target's tokenizer, as the hf backend keeps them (a server
+        without answer ids: its text and token count).
         Refused: an answer ended otherwise than by a stop or the length (``abort``: a server stopped or
         restarted), and a first answer whose served text is not its ids decoded here (a server of another model:
         it read our prompt ids as other words). Call it under the lock that guards ``tokenizer``."""
@@ -448,12 +450,13 @@ class OpenAIClient:
                 self.warned_text_only = True
                 log("[data] warning: the server returns no answer token ids (return_token_ids: vLLM, SGLang "
                     ">= 0.5.23); answers are kept as text and re-tokenised, which can give other ids")
-            return choice.get("text", ""), int(choice["usage"].get("completion_tokens", 0)) - int(hit_eos), hit_eos
+            text, tokens = choice.get("text", ""), int(choice["usage"].get("completion_tokens", 0)) - int(hit_eos)
+            return {"role": "assistant", "content": text}, tokens, hit_eos
         new = list(choice["token_ids"])
         if hit_eos and new and new[-1] in eos:
             new = new[:-1]
-        text = tokenizer.decode(new, skip_special_tokens=True)
-        served = choice.get("text")
+        message = assistant_message(tokenizer, new)
+        text, served = message["content"], choice.get("text")
         if not self.tokenizer_checked and served is not None:
             if _visible(text) != _visible(served):
                 raise RegenError(
@@ -462,7 +465,7 @@ class OpenAIClient:
                     f"here ({served[:60]!r} vs {text[:60]!r}), so it read our prompt ids as other words. Serve the "
                     "target itself, or point data.regen.url (and data.regen.model) at the server that does")
             self.tokenizer_checked = len(_visible(text)) >= 8  # an empty answer proves nothing: the next is checked
-        return text, len(new), hit_eos
+        return message, len(new), hit_eos
 
 
 def _visible(text: str) -> str:
@@ -515,9 +518,8 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
                                      answer_room(len(ids), rcfg.max_new_tokens, max_length), rcfg.temperature,
                                      rcfg.top_p)
             with lock:
-                text, n, hit_eos = client.answer(choice, tokenizer, eos)
-                add_answer(row, {"role": "assistant", "content": text}, n, hit_eos, len(ids), rcfg.max_new_tokens,
-                           max_length)
+                message, n, hit_eos = client.answer(choice, tokenizer, eos)
+                add_answer(row, message, n, hit_eos, len(ids), rcfg.max_new_tokens, max_length)
                 stats["new_tokens"] += n
                 f.write(cache_line(row))
                 f.flush()

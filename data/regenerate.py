@@ -8,8 +8,9 @@ prompts last instead of shrinking to its longest answer.
 Results are appended to a cache file keyed by the target and the generation settings, every batch_size
 finished answers: a crash loses at most that many, a rerun continues, and every head of the same target
 reuses the file. Line: ``{"key", "messages", "new_tokens", "truncated", "complete"}`` (the last line of a key
-wins; a multi-turn conversation is complete once every user turn has its answer; an answer the target did not
-end carries ``"truncated": true`` in its message), and for a conversation
+wins; a multi-turn conversation is complete once every user turn has its answer; an answer carries its
+``token_ids`` as generated (a server that returns none: text only), and one the target did not end
+``"truncated": true``), and for a conversation
 ended at ``data.max_length``: ``cut_at_length`` (that length) and ``capped`` (its last answer was stopped there,
 not by the target or ``max_new_tokens``: that answer's token count).
 """
@@ -31,7 +32,7 @@ import torch
 
 from data.captured import CaptureWriter
 from data.formats import appending, iter_jsonl, prompt_key, rewrite_jsonl
-from data.template import conversation_ids, prompt_ids, with_system
+from data.template import as_generated, conversation_ids, prompt_ids, with_system
 from eval.sampling import warp
 from train import dist
 from train.errors import UserError
@@ -318,7 +319,7 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
                                partial(_template_tail, tokenizer, state, prompts, fulls), max_length):
             for key, a in finished:
                 r = state[key]
-                add_answer(r, _assistant(tokenizer, a.tokens), len(a.tokens), a.hit_eos, len(prompts[key]),
+                add_answer(r, assistant_message(tokenizer, a.tokens), len(a.tokens), a.hit_eos, len(prompts[key]),
                            rcfg.max_new_tokens, max_length)
                 stats["new_tokens"] += len(a.tokens)
                 if a.states is not None:
@@ -394,6 +395,8 @@ def add_answer(row: dict, answer: dict, n: int, hit_eos: bool, prompt_len: int, 
     ``max_new_tokens`` is ``capped`` (``n`` noted): the conversation ends there (complete, ``cut_at_length``: the
     data stage keeps nothing past it), and a run with a larger ``max_length`` asks that turn again (:func:`pending`)."""
     capped = not hit_eos and n < max_new_tokens and max_length is not None and prompt_len + n >= max_length
+    for m in row["messages"]:  # only the last answer's ids are trained on (data.template.as_generated)
+        m.pop("token_ids", None)
     row["messages"] += [row["users"][_answered(row)], answer if hit_eos else {**answer, "truncated": True}]
     row["truncated"] |= not hit_eos and not capped
     row["new_tokens"] += n
@@ -420,13 +423,15 @@ def _next_prompt(tokenizer, r: dict) -> list[int]:
 def _template_tail(tokenizer, state: dict[str, dict], prompts: dict[str, list[int]], fulls: dict[str, list[int]],
                    key: str, answer: list[int]) -> list[int] | None:
     """The tokens the chat template puts after ``answer`` of conversation ``key`` when it ends the conversation
-    (its rendered ids go to ``fulls[key]``); None when its states are not kept: not the last turn (the next
-    turn's prefill covers it), or the answer re-tokenises differently (the extract pass does that row)."""
+    (its rendered ids, the answer as generated: :func:`data.template.as_generated`, go to ``fulls[key]``); None when
+    its states are not kept: not the last turn (the next turn's prefill covers it), or the template does not
+    render the answer verbatim after the prompt (the extract pass does that row)."""
     r = state[key]
     turn = _answered(r)
     if turn != len(r["users"]) - 1:
         return None
-    full = conversation_ids(tokenizer, [*r["messages"], r["users"][turn], _assistant(tokenizer, answer)])
+    messages = [*r["messages"], r["users"][turn], assistant_message(tokenizer, answer)]
+    full, _ = as_generated(tokenizer, messages, conversation_ids(tokenizer, messages))
     head = prompts[key] + answer
     if full[: len(head)] != head:
         return None
@@ -434,9 +439,14 @@ def _template_tail(tokenizer, state: dict[str, dict], prompts: dict[str, list[in
     return full[len(head):]
 
 
-def _assistant(tokenizer, answer: list[int]) -> dict:
-    """The assistant message of ``answer``'s token ids (as text: the cache and the data stage's templates use text)."""
-    return {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}
+def assistant_message(tokenizer, answer: list[int]) -> dict:
+    """The assistant message of ``answer``'s token ids: its text (what templates render) and, when the text does
+    not tokenise back to them, the ids themselves (a last answer trains on them: :func:`data.template.as_generated`;
+    kept only there, so a cache of 800k answers holds ~10% of its ids as JSON lists, not all)."""
+    message = {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}
+    if tokenizer(message["content"], add_special_tokens=False)["input_ids"] != list(answer):
+        message["token_ids"] = list(answer)
+    return message
 
 
 def _answered(row: dict) -> int:

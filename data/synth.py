@@ -326,8 +326,8 @@ class ServerWriter:
                 continue
             outs = []
             for answer in self.asked[b]:
-                text, n, hit_eos = client.answer(answer.result(), tokenizer, eos)
-                outs.append({"text": text.strip(), "tokens": n, "hit_eos": hit_eos})
+                message, n, hit_eos = client.answer(answer.result(), tokenizer, eos)
+                outs.append({"text": message["content"].strip(), "tokens": n, "hit_eos": hit_eos})
             del self.asked[b]
             yield b, outs
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from data.formats import DataError, read_source, to_messages
-from data.regenerate import RegenMemoryError, read_cache, regenerate
+from data.regenerate import RegenMemoryError, add_answer, assistant_message, read_cache, regenerate
 from data.template import check_template, tokenize_conversation, with_system
 from data.vocab import build_vocab, coverage
 from tests.conftest import generate
@@ -261,6 +261,10 @@ def test_sampled_regeneration_draws_a_stream_per_rank(tiny_llama_cfg, tmp_path, 
     assert answers["0"] == answers[None] and answers["1"] != answers["0"]
 
 
+def as_text(messages: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if k != "token_ids"} for m in messages]
+
+
 def test_out_of_memory_while_regenerating_names_the_fix_and_keeps_the_answers(tiny_llama_cfg, tmp_path, monkeypatch):
     """Out of device memory mid-run: one error naming data.regen.batch_size, the answers finished before it
     written to the cache (here three first turns, fewer than a batch: written only because of the error),
@@ -286,7 +290,8 @@ def test_out_of_memory_while_regenerating_names_the_fix_and_keeps_the_answers(ti
     with pytest.raises(RegenMemoryError, match=r"lower data.regen.batch_size, e.g. data.regen.batch_size=2, and rerun"):
         regenerate(convs, model, tok, rcfg, None, path)
     kept = read_cache(path)
-    assert len(kept) == 3 and all(r["messages"] == reference[k]["messages"][:2] for k, r in kept.items())
+    # (a first answer that ends its conversation for now keeps its token_ids, which the second answer drops)
+    assert len(kept) == 3 and all(as_text(r["messages"]) == as_text(reference[k]["messages"])[:2] for k, r in kept.items())
     monkeypatch.setattr(model, "forward", forward)
     rerun = regenerate(convs, model, tok, rcfg, None, path)
     assert 0 < rerun["new_tokens"] < full["new_tokens"]
@@ -467,3 +472,21 @@ def test_worker_count_shares_the_node_between_ranks(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert worker_count(auto, 10**6, side_by_side=True) == 16
     assert worker_count(OmegaConf.create({"num_proc": 3}), 10) == 3
+
+
+def test_answers_keep_their_ids_only_where_the_text_does_not_give_them_back():
+    """A regenerated answer keeps its ``token_ids`` only when its text tokenises to other ids (the data stage then
+    trains on them); a conversation keeps them on its last answer only (the earlier ones were rendered as text in
+    the later prompts), so the cache grows by the few answers that need them."""
+    tok = _build_tiny_tokenizer("chatml")
+    clean = tok("Fine.", add_special_tokens=False)["input_ids"]
+    broken = tok("€", add_special_tokens=False)["input_ids"][:2] + clean   # an incomplete UTF-8 character
+    assert assistant_message(tok, clean) == {"role": "assistant", "content": "Fine."}
+    message = assistant_message(tok, broken)
+    assert message["token_ids"] == broken and tok(message["content"], add_special_tokens=False)["input_ids"] != broken
+    row = {"messages": [], "users": [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Again"}],
+           "new_tokens": 0, "truncated": False, "complete": False}
+    add_answer(row, message, len(broken), True, 5, 32, None)
+    assert row["messages"][-1]["token_ids"] == broken and not row["complete"]
+    add_answer(row, assistant_message(tok, broken), len(broken), True, 9, 32, None)
+    assert [("token_ids" in m) for m in row["messages"]] == [False, False, False, True] and row["complete"]

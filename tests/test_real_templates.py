@@ -124,3 +124,45 @@ def test_qwen3_short_answer_is_found_after_the_injected_block(answer):
     """A last answer short enough to occur in the end of turn after it (<|im_end|>) is located where the answer
     starts, after the empty <think> block the template puts before it."""
     assert masked(real_tokenizer("qwen3-8b"), [U("Say it"), A(answer)]) == [f"{answer}<|im_end|>"]
+
+
+@pytest.mark.parametrize("name, thinking", [("qwen2.5-7b-instruct", None), ("llama-3.1-8b-instruct", None),
+                                            ("qwen3-8b", False), ("qwen3-8b", True)])
+@pytest.mark.parametrize("truncated", [False, True])
+def test_a_last_answer_trains_on_the_ids_the_target_generated(name, thinking, truncated):
+    """A regenerated last answer whose text tokenises to other ids than the target generated (here an incomplete
+    UTF-8 character; with real BPE vocabularies merges the target did not take) is trained as generated: the
+    states kept while regenerating belong to those ids. The tokens around it and their mask are the text's; an
+    earlier answer's ids stay as its text (the later prompts rendered it so)."""
+    tok = real_tokenizer(name)
+
+    def encode(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    reasoning = "<think>\nok\n</think>\n\n" if thinking else ""   # a reasoning answer: what the target wrote
+    generated = encode(reasoning) + encode("€")[:2] + encode(" fine")
+    content = tok.decode(generated, skip_special_tokens=True)
+    text = encode(content)
+    assert text != generated and "\ufffd" in content
+    history = [U("Hi"), {**A("Hello"), "token_ids": encode("Hel") + encode("€")[:1]}, U("And you?")]
+    plain = {**A(content), **({"truncated": True} if truncated else {})}
+    ids, mask = tokenize_conversation(tok, [*history, plain], thinking)
+    got_ids, got_mask = tokenize_conversation(tok, [*history, {**plain, "token_ids": generated}], thinking)
+    start = len(prompt_ids(tok, history, thinking))
+    end = start + len(text)
+    assert ids[start:end] == text and set(mask[start:end]) == {1}
+    assert got_ids == [*ids[:start], *generated, *ids[end:]]
+    assert got_mask == [*mask[:start], *[1] * len(generated), *mask[end:]]
+    assert (tok.decode(got_ids[start + len(generated):]).count(EOT[name]) == 1
+            and sum(got_mask[start + len(generated):]) == (0 if truncated else 1))   # the end of turn: trained if ended
+    # ids that render as the text: nothing to change
+    assert tokenize_conversation(tok, [*history, {**plain, "token_ids": text}], thinking) == (ids, mask)
+
+
+def test_generated_ids_the_template_does_not_render_verbatim_stay_as_text():
+    """Llama 3.1 trims answers: an answer generated with a leading space is not verbatim after the prompt, so its
+    text's tokens stay (its states then come from the extract pass)."""
+    tok = real_tokenizer("llama-3.1-8b-instruct")
+    generated = tok(" Sure.", add_special_tokens=False)["input_ids"]
+    conv = [U("Hi"), A(" Sure.")]
+    assert tokenize_conversation(tok, [*conv[:1], {**conv[1], "token_ids": generated}]) == tokenize_conversation(tok, conv)
