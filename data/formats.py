@@ -23,6 +23,7 @@ A row's ``system``/``system_prompt`` field is its system turn.
 
 from __future__ import annotations
 
+import base64
 import gzip
 import hashlib
 import json
@@ -33,6 +34,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
+
+import numpy as np
 
 from train.errors import UserError
 
@@ -322,6 +325,17 @@ def appending(path: Path) -> Iterator[TextIO]:
                 f.write(b"\n")          # line then, which readers skip, never a byte written over
     with open(path, "a", encoding="utf-8") as f:
         yield f
+
+
+def pack_ids(ids: list[int]) -> str:
+    """Token ids as JSON-friendly text: base64 of little-endian int32 (5.3 bytes a token on disk and in memory,
+    where a parsed JSON list of ints takes ~36: a cache of 800k long answers is read whole)."""
+    return base64.b64encode(np.asarray(ids, dtype="<i4").tobytes()).decode("ascii")
+
+
+def unpack_ids(packed: str | None) -> list[int] | None:
+    """The ids of :func:`pack_ids` (None stays None)."""
+    return None if packed is None else np.frombuffer(base64.b64decode(packed), dtype="<i4").tolist()
 
 
 def rewrite_jsonl(path: Path, rows: Iterable[dict]) -> None:

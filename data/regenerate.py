@@ -8,9 +8,9 @@ prompts last instead of shrinking to its longest answer.
 Results are appended to a cache file keyed by the target and the generation settings, every batch_size
 finished answers: a crash loses at most that many, a rerun continues, and every head of the same target
 reuses the file. Line: ``{"key", "messages", "new_tokens", "truncated", "complete"}`` (the last line of a key
-wins; a multi-turn conversation is complete once every user turn has its answer; an answer carries its
-``token_ids`` as generated (a server that returns none: text only), and one the target did not end
-``"truncated": true``), and for a conversation
+wins; a multi-turn conversation is complete once every user turn has its answer; the last answer carries its
+``token_ids`` as generated, packed, when its text tokenises to other ids (:func:`assistant_message`; a server
+that returns no ids: text only), and one the target did not end ``"truncated": true``), and for a conversation
 ended at ``data.max_length``: ``cut_at_length`` (that length) and ``capped`` (its last answer was stopped there,
 not by the target or ``max_new_tokens``: that answer's token count).
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from data.captured import CaptureWriter
-from data.formats import appending, iter_jsonl, prompt_key, rewrite_jsonl
+from data.formats import appending, iter_jsonl, pack_ids, prompt_key, rewrite_jsonl
 from data.template import as_generated, conversation_ids, prompt_ids, with_system
 from eval.sampling import warp
 from train import dist
@@ -395,8 +395,8 @@ def add_answer(row: dict, answer: dict, n: int, hit_eos: bool, prompt_len: int, 
     ``max_new_tokens`` is ``capped`` (``n`` noted): the conversation ends there (complete, ``cut_at_length``: the
     data stage keeps nothing past it), and a run with a larger ``max_length`` asks that turn again (:func:`pending`)."""
     capped = not hit_eos and n < max_new_tokens and max_length is not None and prompt_len + n >= max_length
-    for m in row["messages"]:  # only the last answer's ids are trained on (data.template.as_generated)
-        m.pop("token_ids", None)
+    for m in row["messages"]:  # only the last answer's ids are trained on (data.template.as_generated); a capped
+        m.pop("token_ids", None)  # answer asked again (pending) leaves the one before it last, as its text
     row["messages"] += [row["users"][_answered(row)], answer if hit_eos else {**answer, "truncated": True}]
     row["truncated"] |= not hit_eos and not capped
     row["new_tokens"] += n
@@ -431,7 +431,7 @@ def _template_tail(tokenizer, state: dict[str, dict], prompts: dict[str, list[in
     if turn != len(r["users"]) - 1:
         return None
     messages = [*r["messages"], r["users"][turn], assistant_message(tokenizer, answer)]
-    full, _ = as_generated(tokenizer, messages, conversation_ids(tokenizer, messages))
+    full, _ = as_generated(tokenizer, messages, conversation_ids(tokenizer, messages), prompt=prompts[key])
     head = prompts[key] + answer
     if full[: len(head)] != head:
         return None
@@ -441,11 +441,11 @@ def _template_tail(tokenizer, state: dict[str, dict], prompts: dict[str, list[in
 
 def assistant_message(tokenizer, answer: list[int]) -> dict:
     """The assistant message of ``answer``'s token ids: its text (what templates render) and, when the text does
-    not tokenise back to them, the ids themselves (a last answer trains on them: :func:`data.template.as_generated`;
-    kept only there, so a cache of 800k answers holds ~10% of its ids as JSON lists, not all)."""
+    not tokenise back to them, the ids themselves, packed (:func:`data.formats.pack_ids`; a last answer trains on
+    them: :func:`data.template.as_generated`)."""
     message = {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}
     if tokenizer(message["content"], add_special_tokens=False)["input_ids"] != list(answer):
-        message["token_ids"] = list(answer)
+        message["token_ids"] = pack_ids(answer)
     return message
 
 

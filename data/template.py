@@ -34,7 +34,7 @@ the one they were generated in (the last turn's is exact).
 
 from __future__ import annotations
 
-from data.formats import DataError
+from data.formats import DataError, unpack_ids
 
 SENTINEL = "SPECHEADS-SENTINEL-7f3a"
 _THINKING: bool | None = None
@@ -156,26 +156,29 @@ def tokenize_conversation(tokenizer, messages: list[dict], thinking: bool | None
 
 
 def as_generated(tokenizer, messages: list[dict], ids: list[int], mask: list[int] | None = None,
-                 thinking: bool | None = None) -> tuple[list[int], list[int] | None]:
+                 thinking: bool | None = None, prompt: list[int] | None = None) -> tuple[list[int], list[int] | None]:
     """(ids, mask) of a rendered conversation with its last answer's tokens as the target generated them.
 
-    A regenerated answer keeps its ``token_ids`` (:mod:`data.regenerate`); its text tokenised again can differ
-    (~6-12% of the default target's answers: ``"\\n\\n"`` as one token where the text's tokenisation makes two,
-    BPE merges the target did not take). The generated ids are what the target conditions on when it decodes, and
-    the states kept while regenerating belong to them, so they replace the text's tokens of that answer. Unchanged
-    when the last message has no ``token_ids``, already renders as them, or the template does not render it verbatim
-    right after the generation prompt (or ``mask`` is not uniform over it); the tokens after it keep their mask."""
+    A regenerated answer whose text tokenises to other ids than the target generated keeps them as ``token_ids``
+    (:func:`data.regenerate.assistant_message`; 5% of the default target's 256-token answers: ``"\\n\\n"`` as
+    one token where the text's tokenisation makes two, BPE merges the target did not take, more of longer ones).
+    The generated ids are what the target conditions on when it decodes, and the states kept while regenerating
+    belong to them, so they replace the text's tokens of that answer, all trained (the answer is the target's);
+    the tokens around it keep the text's mask. Unchanged when the last message has no ``token_ids``, already
+    renders as them, or the template does not render its text verbatim right after the generation prompt
+    (``prompt``: its ids, when known; e.g. Llama 3.1 trims answers). The decision does not depend on ``mask``, so
+    regeneration (which keeps the states of the ids this returns) and the data stage agree."""
     last = messages[-1] if messages else {}
-    generated = last.get("token_ids")
+    generated = unpack_ids(last.get("token_ids"))
     if last.get("role") != "assistant" or not generated:
         return ids, mask
-    start = len(prompt := prompt_ids(tokenizer, messages[:-1], thinking))
+    prompt = prompt_ids(tokenizer, messages[:-1], thinking) if prompt is None else prompt
+    start = len(prompt)
     if ids[:start] != prompt or ids[start:start + len(generated)] == generated:
         return ids, mask
     text = tokenizer(last["content"], add_special_tokens=False)["input_ids"]
     end = start + len(text)
-    if (not text or ids[start:end] != text or tokenizer.decode(generated, skip_special_tokens=True) != last["content"]
-            or (mask is not None and len(set(mask[start:end])) != 1)):
+    if not text or ids[start:end] != text or tokenizer.decode(generated, skip_special_tokens=True) != last["content"]:
         return ids, mask
     ids = [*ids[:start], *generated, *ids[end:]]
-    return ids, None if mask is None else [*mask[:start], *[mask[start]] * len(generated), *mask[end:]]
+    return ids, None if mask is None else [*mask[:start], *[1] * len(generated), *mask[end:]]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from data.formats import DataError, read_source, to_messages
+from data.formats import DataError, read_source, to_messages, unpack_ids
 from data.regenerate import RegenMemoryError, add_answer, assistant_message, read_cache, regenerate
 from data.template import check_template, tokenize_conversation, with_system
 from data.vocab import build_vocab, coverage
@@ -483,10 +483,10 @@ def test_answers_keep_their_ids_only_where_the_text_does_not_give_them_back():
     broken = tok("€", add_special_tokens=False)["input_ids"][:2] + clean   # an incomplete UTF-8 character
     assert assistant_message(tok, clean) == {"role": "assistant", "content": "Fine."}
     message = assistant_message(tok, broken)
-    assert message["token_ids"] == broken and tok(message["content"], add_special_tokens=False)["input_ids"] != broken
+    assert unpack_ids(message["token_ids"]) == broken and tok(message["content"], add_special_tokens=False)["input_ids"] != broken
     row = {"messages": [], "users": [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Again"}],
            "new_tokens": 0, "truncated": False, "complete": False}
     add_answer(row, message, len(broken), True, 5, 32, None)
-    assert row["messages"][-1]["token_ids"] == broken and not row["complete"]
+    assert unpack_ids(row["messages"][-1]["token_ids"]) == broken and not row["complete"]
     add_answer(row, assistant_message(tok, broken), len(broken), True, 9, 32, None)
     assert [("token_ids" in m) for m in row["messages"]] == [False, False, False, True] and row["complete"]

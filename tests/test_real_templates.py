@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from data.formats import pack_ids
 from data.template import conversation_ids, prompt_ids, render, tokenize_conversation
 from train.target import _build_tiny_tokenizer
 
@@ -144,10 +145,10 @@ def test_a_last_answer_trains_on_the_ids_the_target_generated(name, thinking, tr
     content = tok.decode(generated, skip_special_tokens=True)
     text = encode(content)
     assert text != generated and "\ufffd" in content
-    history = [U("Hi"), {**A("Hello"), "token_ids": encode("Hel") + encode("€")[:1]}, U("And you?")]
+    history = [U("Hi"), {**A("Hello"), "token_ids": pack_ids(encode("Hel") + encode("€")[:1])}, U("And you?")]
     plain = {**A(content), **({"truncated": True} if truncated else {})}
     ids, mask = tokenize_conversation(tok, [*history, plain], thinking)
-    got_ids, got_mask = tokenize_conversation(tok, [*history, {**plain, "token_ids": generated}], thinking)
+    got_ids, got_mask = tokenize_conversation(tok, [*history, {**plain, "token_ids": pack_ids(generated)}], thinking)
     start = len(prompt_ids(tok, history, thinking))
     end = start + len(text)
     assert ids[start:end] == text and set(mask[start:end]) == {1}
@@ -156,7 +157,7 @@ def test_a_last_answer_trains_on_the_ids_the_target_generated(name, thinking, tr
     assert (tok.decode(got_ids[start + len(generated):]).count(EOT[name]) == 1
             and sum(got_mask[start + len(generated):]) == (0 if truncated else 1))   # the end of turn: trained if ended
     # ids that render as the text: nothing to change
-    assert tokenize_conversation(tok, [*history, {**plain, "token_ids": text}], thinking) == (ids, mask)
+    assert tokenize_conversation(tok, [*history, {**plain, "token_ids": pack_ids(text)}], thinking) == (ids, mask)
 
 
 def test_generated_ids_the_template_does_not_render_verbatim_stay_as_text():
@@ -165,4 +166,4 @@ def test_generated_ids_the_template_does_not_render_verbatim_stay_as_text():
     tok = real_tokenizer("llama-3.1-8b-instruct")
     generated = tok(" Sure.", add_special_tokens=False)["input_ids"]
     conv = [U("Hi"), A(" Sure.")]
-    assert tokenize_conversation(tok, [*conv[:1], {**conv[1], "token_ids": generated}]) == tokenize_conversation(tok, conv)
+    assert tokenize_conversation(tok, [*conv[:1], {**conv[1], "token_ids": pack_ids(generated)}]) == tokenize_conversation(tok, conv)

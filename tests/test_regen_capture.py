@@ -50,7 +50,7 @@ def test_generation_keeps_the_states_of_a_forward_pass(twin, temperature):
 def text_twin(tmp_path_factory) -> list[str]:
     """Overrides for tiny-qwen2 whose lm_head rows are zero except for printable ASCII characters and EOS: its
     greedy answers are text that re-tokenises to the same ids (a random byte-level twin writes invalid UTF-8,
-    which never round-trips, so every row would go through the pass)."""
+    which never round-trips: its rows train on the generated ids, data.template.as_generated)."""
     import shutil
 
     from train.target import target_path
@@ -216,13 +216,17 @@ def test_regeneration_in_bfloat16_keeps_the_states_of_its_own_pass(tmp_path, tex
     assert torch.cat([a[k][1] == b[k][1] for k in a]).float().mean() >= 0.9
 
 
-def test_kept_states_cover_multi_turn_and_truncated_answers(tmp_path, text_twin):
+@pytest.mark.parametrize("writes", ["text", "bytes"])
+def test_kept_states_cover_multi_turn_and_truncated_answers(tmp_path, text_twin, writes):
     """Two user turns, and answers cut at max_new_tokens: the last turn's prefill covers the first turn, the
-    last token of a cut answer and the template's end of turn are fed, so the states cover the whole row."""
+    last token of a cut answer and the template's end of turn are fed, so the states cover the whole row. A
+    random twin writes bytes that are not UTF-8 (its text tokenises to other ids): the rows train on the ids it
+    generated (data.template.as_generated), which its kept states cover."""
     conv = {"turns": ["Say one word.", "And another one?"]}
     path = tmp_path / "two_turns.jsonl"
     path.write_text(json.dumps(conv) + "\n" + json.dumps({"turns": ["Count to three."]}) + "\n")
-    cfg = make_cfg([*text_twin, FP32_REGEN, f"data.sources=[{{path:{path},split:train}}]", "data.regen.max_new_tokens=4",
+    twin = text_twin if writes == "text" else ["model=tiny-qwen2"]
+    cfg = make_cfg([*twin, FP32_REGEN, f"data.sources=[{{path:{path},split:train}}]", "data.regen.max_new_tokens=4",
                     "head.draft_vocab_size=96", "extract.source=regen", "extract.dtype=float32", "stages=[data]",
                     f"output_root={tmp_path}"])
     run_stages(cfg)
@@ -245,6 +249,10 @@ def test_kept_states_cover_multi_turn_and_truncated_answers(tmp_path, text_twin)
     stats = json.loads((stage_dir(cfg, "data") / "stats.json").read_text())
     assert stats["regeneration"]["captured"]["rows"] == len(captured) >= checked
     assert checked == len(ds) == 2 and sum("And another one?" in tok.decode(r["input_ids"]) for r in ds) == 1
+    from tests.test_regen_backends import cache_of
+
+    spliced = [r for r in cache_of(cfg).values() if "token_ids" in r["messages"][-1]]
+    assert len(spliced) == (0 if writes == "text" else 2)
 
 
 def test_regen_source_needs_the_hf_backend():
