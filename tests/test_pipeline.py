@@ -21,8 +21,10 @@ from train.extract import Captures, ExtractError
 from train.stages import fingerprint, read_marker, run_stages, stage_dir
 from train.target import load_target
 
+# Regenerated in float32: the states kept while regenerating (every row: the random twin's answers train as generated)
+# then equal a float32 extraction pass, which several tests redo.
 BASE = ["model=tiny-llama", "head.draft_vocab_size=64", "data.sources=[{type:builtin,limit:24}]",
-        "data.regen.max_new_tokens=24", "extract.dtype=float32", "head.ttt_steps=3", "train.micro_batch_tokens=1024",
+        "data.regen.max_new_tokens=24", "data.regen.dtype=float32", "extract.dtype=float32", "head.ttt_steps=3", "train.micro_batch_tokens=1024",
         "train.log_every=1", "train.eval_every=1000", "train.checkpoint_every=3", "train.max_steps=6",
         "train.warmup_steps=2", "train.num_threads=1", "train.max_minutes=null"]
 ENV = child_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
