@@ -121,8 +121,8 @@ def test_a_full_vocabulary_eagle3_export_runs_in_vllm(vllm_env, tmp_path):
     export carrying d2t ("no module or parameter"); without it, vLLM runs the head as our chain decoder does."""
     run = train_and_export(tmp_path, "eagle3", TWIN_TAPS, [*TWINS["qwen2"], *TWIN_RUN, "head.draft_vocab_size=1000000"],
                            "tiny-qwen2")
-    proc = subprocess.run([sys.executable, "scripts/vllm_check.py", str(run), "--k", str(K), "--prompts", "4",
-                           "--max-tokens", "32", "--tau-tolerance", str(TWIN_TOLERANCE)],
+    proc = subprocess.run([sys.executable, "scripts/vllm_check.py", str(run), "--k", str(K), "--prompts", str(PROMPTS),
+                           "--max-tokens", str(MAX_TOKENS), "--tau-tolerance", str(TWIN_TOLERANCE)],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     report = json.loads((run / "export" / "vllm_check.json").read_text())
