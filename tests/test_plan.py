@@ -31,7 +31,7 @@ def test_plan_cli_offline_without_weights(model, tmp_path):
     text = out.stdout
     params = {"qwen2.5-7b": "7.62B", "llama3.1-8b": "8.03B"}[model]
     hidden = {"qwen2.5-7b": 3584, "llama3.1-8b": 4096}[model]
-    for expected in (f"{params} parameters", f"conf/model/arch/{model}.json", "EXTRACT", "TRAIN", "EVAL",
+    for expected in (f"{params} parameters", f"conf/model/arch/{model}.json", "DATA", "EXTRACT", "TRAIN", "EVAL",
                      f"{4 * hidden * 2 + 4:,} bytes/token", "memory per rank (peak)", "activations", "peak transient",
                      "optimizer states", "tok/s per rank"):
         assert expected in text, (expected, text)
@@ -77,6 +77,44 @@ def test_plan_holds_out_the_validation_rows_the_data_stage_will(cfg_factory):
         tokens, _ = planner.data_tokens(cfg)
         per_row = min(cfg.planner.avg_row_tokens, cfg.data.max_length)
         assert tokens == {"train": (rows - held) * per_row, "validation": held * per_row}
+
+
+def test_plan_times_the_data_stage(cfg_factory):
+    """The data stage's generation: prompts x planner.synth_tokens + conversations x answer tokens, over the
+    backend's rate x its replicas (hf: one per rank, vllm: one per GPU, openai: stated or unknown); a finished data
+    stage has nothing left; the extract stage copies the states kept while regenerating instead of computing them."""
+    args = ("model=qwen2.5-7b", "planner.device=gpu", "planner.rows=1000", "data.regen.max_new_tokens=1000",
+            "data.sources=[{type:builtin},{type:synth,n:500,split:train}]")
+    hf = planner.plan(cfg_factory(*args))
+    ge = hf["data"]
+    assert ge["tokens"] == {"prompts": 500 * 64, "answers": round(1000 * 0.72 * 1000)} and ge["answers"] == 1000
+    assert ge["hours"] == pytest.approx(sum(ge["tokens"].values()) / ge["tok_s"] / 3600)
+    # a step of the hf loop at 28 layers costs more than reading 15 GB of bf16 weights over the rows' KV caches
+    assert ge["tok_s"] == pytest.approx(64 / (28 * 3.2e-3 + (7.62e9 + 64 * 256 * 2 * 28 * 4 * 128) * 2 / 3350e9), rel=0.01)
+    eight = planner.plan(cfg_factory(*args, "planner.world_size=8"))["data"]
+    assert eight["replicas"] == 8 and eight["hours"] == pytest.approx(ge["hours"] / 8)
+    vllm = planner.plan(cfg_factory(*args, "data.regen.backend=vllm"))
+    assert vllm["data"]["hours"] < ge["hours"] / 5   # no Python loop per layer
+    # the hf backend keeps the states it generates: extract copies them (reads and writes them: disk-bound);
+    # vllm's rows need the target's forward pass
+    ex = hf["extract"]
+    assert "copying the states kept" in ex["basis"] and "copying" not in vllm["extract"]["basis"]
+    assert ex["hours"] == pytest.approx(2 * sum(hf["tokens"].values()) * ex["bytes_per_token"] / 1000e6 / 3600)
+    server = planner.plan(cfg_factory(*args, "data.regen.backend=openai"))
+    assert server["data"]["hours"] is None and "set planner.regen_tok_s" in planner.format_plan(server)
+    stated = planner.plan(cfg_factory(*args, "data.regen.backend=openai", "planner.regen_tok_s=1000"))["data"]
+    assert stated["hours"] == pytest.approx(sum(ge["tokens"].values()) / 1000 / 3600)
+    assert "TIME  data + extract + train" in planner.format_plan(hf)
+    fewer = planner.plan(cfg_factory(*args, "data.train_rows=100", "data.regenerate=true"))["data"]
+    assert fewer["answers"] == 100 + 50   # the training rows asked for + every validation row (5% of 1000)
+    given = planner.plan(cfg_factory(*args, "data.regenerate=false", "data.sources=[{type:builtin}]"))["data"]
+    assert given["tokens"] == {"prompts": 0, "answers": 0} and given["hours"] == 0
+    done = cfg_factory(*args)
+    manifest = planner.stage_dir(done, "data") / "manifest.json"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"tokens": {"train": 10, "validation": 1}}))
+    finished = planner.plan(done)
+    assert finished["data"] == {"done": True, "hours": 0.0} and "DATA  done" in planner.format_plan(finished)
 
 
 def test_check_train_memory_refuses_when_short(cfg_factory, monkeypatch):

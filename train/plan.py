@@ -40,7 +40,7 @@ from train.errors import ConfigError, UserError
 from train.extract import capture_layers
 from train.log import log
 from train.stages import stage_dir
-from train.target import load_config, resolve_device, resolve_dtype
+from train.target import load_config, regen_dtype, resolve_device, resolve_dtype
 
 ARCH_DIR = Path(__file__).resolve().parents[1] / "conf" / "model" / "arch"
 GiB = 2**30
@@ -147,6 +147,53 @@ def data_tokens(cfg: DictConfig) -> tuple[dict[str, int], str]:
     return ({"train": rows * per_row - val, "validation": val},
             f"estimate: {rows} rows x {per_row} tokens/row (planner.avg_row_tokens); run the data stage or "
             "set planner.tokens for the real figure")
+
+
+def generation(cfg: DictConfig, sh: Shapes, kind: str, dtype: torch.dtype, world: int, per_token: int) -> dict:
+    """The data stage's generation (``data.sources`` of type synth: the target writes prompts; ``data.regenerate``:
+    it answers every conversation): tokens, throughput of all ranks (:func:`regen_rate`) and hours; nothing left
+    when the data stage is done. Keeping the states of what it generates (``extract.source``) also writes
+    ``per_token`` bytes per token of every row: the disk's bandwidth (``planner.disk_mb_s``) can bind instead."""
+    pc, dc = cfg.planner, cfg.data
+    if (stage_dir(cfg, "data") / "manifest.json").exists():
+        return {"done": True, "hours": 0.0}
+    rows = pc.rows or _count_rows(cfg)
+    val = validation_count(rows, dc.validation_fraction, dc.validation_max_rows)
+    answered = (val + min(rows - val, dc.train_rows or rows)) if dc.regenerate else 0
+    prompts = sum(int(s.n) for s in dc.sources if s.get("type") == "synth")
+    answer = pc.answer_tokens or pc.answer_share * dc.regen.max_new_tokens
+    tokens = {"prompts": round(prompts * pc.synth_tokens), "answers": round(answered * answer)}
+    rate, basis = regen_rate(cfg, sh, kind, dtype)
+    replicas = 1 if dc.regen.backend == "openai" or (dc.regen.backend == "vllm" and kind == "cpu") else world
+    hours = None if rate is None else sum(tokens.values()) / (rate * replicas) / 3600
+    if keeps_states(cfg) and hours is not None:
+        disk_h = answered * min(pc.avg_row_tokens, dc.max_length) * per_token / (pc.disk_mb_s * 1e6) / 3600
+        if disk_h > hours:
+            hours, basis = disk_h, f"planner.disk_mb_s: writing the states kept for extract ({basis} would be faster)"
+    return {"done": False, "prompts": prompts, "answers": answered, "tokens": tokens, "tok_s": rate,
+            "replicas": replicas, "basis": basis, "hours": hours}
+
+
+def regen_rate(cfg: DictConfig, sh: Shapes, kind: str, dtype: torch.dtype) -> tuple[float | None, str]:
+    """Tokens/s one replica generates (a rank of the ``hf`` backend, a GPU of the ``vllm`` server), and why: a
+    decode step over B rows costs the backend's own loop (``hf``: ``hf_step_ms_per_layer`` x layers) plus the
+    larger of reading the weights and the rows' KV cache (``hbm_gb_s``) and the matmuls (``regen_tflops``).
+    ``openai`` (a server run elsewhere) and ``planner.regen_tok_s`` are taken as stated."""
+    pc, rg = cfg.planner, cfg.data.regen
+    if pc.regen_tok_s:
+        return float(pc.regen_tok_s), "planner.regen_tok_s"
+    if rg.backend == "openai":
+        return None, "a server of your own (data.regen.backend=openai): set planner.regen_tok_s"
+    rates = pc[kind]
+    rows = rg.batch_size if rg.backend == "hf" else rg.concurrency or (64 if kind == "gpu" else 16)
+    context = min(pc.avg_row_tokens, cfg.data.max_length)   # the rows' mean cached length, about
+    loop = rates.hf_step_ms_per_layer * sh.config.num_hidden_layers / 1e3 if rg.backend == "hf" else 0.0
+    memory = (sh.target_params + rows * context * _kv_bytes(sh.config, 1)) * dtype.itemsize / (rates.hbm_gb_s * 1e9)
+    compute = 2 * sh.target_linear * rows / (rates.regen_tflops * 1e12)
+    step = loop + max(memory, compute)
+    return rows / step, (f"{rows} rows a step of {step * 1e3:.0f} ms: {rg.backend} loop {loop * 1e3:.0f} ms + "
+                         + (f"weights and KV cache at planner.{kind}.hbm_gb_s" if memory > compute
+                            else f"matmuls at planner.{kind}.regen_tflops"))
 
 
 def _count_rows(cfg: DictConfig) -> int:
@@ -350,12 +397,15 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
     disk_dir = next(p for p in (run_dir, *run_dir.parents) if p.exists())
     # Throughputs per rank: stated, or sustained FLOP/s over FLOPs per token (2 per matmul weight forward,
     # 6 forward + backward); extraction also limited by the disk's write bandwidth shared by all ranks.
-    rates, kind = (pc.gpu, "gpu") if device.type == "cuda" else (pc.cpu, "cpu")
+    kind = "gpu" if device.type == "cuda" else "cpu"
+    rates = pc[kind]
     compute_rate = pc.extract_tok_s or rates.extract_tflops * 1e12 / (2 * sh.target_linear)
     disk_rate = pc.disk_mb_s * 1e6 / per_token / world
     extract_rate = min(compute_rate, disk_rate)
     extract_basis = ("planner.disk_mb_s" if disk_rate < compute_rate else "planner.extract_tok_s" if pc.extract_tok_s
                      else f"planner.{kind}.extract_tflops / {2 * sh.target_linear / 1e9:.2f} GFLOP/token")
+    if keeps_states(cfg):   # the states kept while regenerating are copied, not computed again: read + write
+        extract_rate, extract_basis = disk_rate / 2, "planner.disk_mb_s: copying the states kept while regenerating"
     steps = cfg.head.ttt_steps if cfg.head.type == "eagle3" else 1
     train_flops = (6 * (sh.head_once + steps * sh.head_repeat) + 2 * H * V   # + target_view's [H, draft vocab] matmul
                    + (2 * sh.target_linear if tc.online else 0))
@@ -373,6 +423,7 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
         "model": cfg.model.name, "architecture": type(config).__name__.removesuffix("Config"), "config_source": source,
         "device": device.type, "dtype": _name(dtype), "world_size": world, "shapes": sh, "tokens": tokens,
         "tokens_source": tokens_source, "free_here": _free_memory(device) if _here(device) else None,
+        "data": generation(cfg, sh, kind, regen_dtype(cfg) if kind == "cpu" else dtype, world, per_token),
         "headroom": pc.headroom, "online": bool(tc.online),
         "extract": {"bytes_per_token": per_token, "disk_bytes": total * per_token, "disk_dir": str(disk_dir),
                     # states kept while regenerating sit beside the shards until extract has copied them all
@@ -425,6 +476,16 @@ def format_plan(p: dict) -> str:
                                                           f" (x{p['headroom']} headroom)" if over else ""))
         lines.extend(f"    {k:<25}{_gib(v)}   {est.notes[k]}" for k, v in est.items.items())
 
+    ge = p["data"]
+    if ge["done"]:
+        lines += ["", "DATA  done (its manifest exists): nothing to generate"]
+    else:
+        lines += ["", "DATA", f"  {'generation':<27}{ge['tokens']['prompts'] + ge['tokens']['answers']:>12,} tokens   "
+                  f"{ge['prompts']:,} prompts written by the target x planner.synth_tokens, {ge['answers']:,} "
+                  "conversations answered x planner.answer_tokens (null: planner.answer_share x data.regen.max_new_tokens)",
+                  f"  {'time':<27}" + ("       ?    " if ge["hours"] is None else _duration(ge["hours"]))
+                  + (f"   at {ge['tok_s']:,.0f} tok/s x {ge['replicas']} replica(s)" if ge["tok_s"] else "")
+                  + f" ({ge['basis']})"]
     if p.get("online"):
         lines += ["", "EXTRACT  skipped: train.online=true computes the hidden states during training (no disk)"]
     else:
@@ -444,8 +505,11 @@ def format_plan(p: dict) -> str:
                  f"({tr['basis']})" + ("; capped by train.max_minutes" if tr["capped"] else ""))
     lines += ["", "EVAL"]
     memory("memory on rank 0 (peak)", p["eval"]["memory"])
+    stages = [ge["hours"], 0.0 if p.get("online") else ex["hours"], tr["hours"]]
+    if None not in stages:
+        lines += ["", f"TIME  data + extract + train{_duration(sum(stages))}   (the eval stage not included)"]
     lines += ["", "Peak = weights and optimizer + the largest of forward, backward and optimizer step. Rates: "
-              "planner.gpu | cpu (TFLOP/s), extract_tok_s | train_tok_s, disk_mb_s. Less memory: "
+              "planner.gpu | cpu (TFLOP/s, GB/s), regen_tok_s | extract_tok_s | train_tok_s, disk_mb_s. Less memory: "
               "train.micro_batch_tokens, head.ttt_steps, head.draft_vocab_size, train.zero_stage over more ranks."]
     return "\n".join(lines)
 
