@@ -17,11 +17,11 @@ from eval.drafters import (
 )
 from eval.sampling import Sampling, accept, warp
 from eval.tree import DraftTree, choice_order, default_medusa_choices, static_tree
-from eval.treesize import acceptance_curve, choose_total_tokens, draft_times, measure_verify_time
+from eval.treesize import acceptance_curve, choose_total_tokens, draft_times, measure_verify_time, monotone
 
 __all__ = [
     "METHODS", "DraftTree", "Drafter", "Eagle3Drafter", "Generation", "HybridDrafter", "MedusaDrafter",
     "NGramDrafter", "PlainDrafter", "Sampling", "SpecDecoder", "accept", "acceptance_curve", "build_drafter",
-    "choice_order", "choose_total_tokens", "default_medusa_choices", "draft_times", "measure_verify_time",
+    "choice_order", "choose_total_tokens", "default_medusa_choices", "draft_times", "measure_verify_time", "monotone",
     "static_tree", "warp",
 ]

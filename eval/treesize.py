@@ -101,10 +101,27 @@ def acceptance_curve(generations: list[Generation], sizes: tuple[int, ...],
     return {size: 1.0 + sum(sum(place(node) < size for node in p) for p in paths) / len(paths) for size in sizes}
 
 
+def monotone(curve: dict[int, float]) -> dict[int, float]:
+    """The least-squares non-decreasing fit of a cost per tree size (pool adjacent violators): more tree tokens
+    never take less time, so a size timed below a smaller one is noise (the AMD VM: 12 tokens 113 ms, 16 tokens
+    109). Pooled, a noisy flat stretch (a GPU's verify pass below its knee) stays flat and the larger tree's tau
+    decides, not which size the noise favoured."""
+    blocks: list[tuple[float, int]] = []   # (mean, sizes pooled)
+    for size in sorted(curve):
+        mean, n = curve[size], 1
+        while blocks and blocks[-1][0] > mean:
+            prev, m = blocks.pop()
+            mean, n = (prev * m + mean * n) / (m + n), m + n
+        blocks.append((mean, n))
+    return dict(zip(sorted(curve), (mean for mean, n in blocks for _ in range(n)), strict=True))
+
+
 def choose_total_tokens(verify_ms: dict[int, float], tau: dict[int, float],
                         draft_ms: dict[int, float]) -> tuple[int, dict[int, float]]:
     """The tree size (2 tokens or more: the root alone is plain decoding) with the best predicted speedup
-    tau(T) * verify(1) / (verify(T) + draft(T)), and the prediction for every size."""
+    tau(T) * verify(1) / (verify(T) + draft(T)), and the prediction for every size; the verify and draft times
+    fitted :func:`monotone` first."""
     sizes = sorted(t for t in set(verify_ms) & set(tau) & set(draft_ms) if t >= 2)
+    verify_ms, draft_ms = monotone(verify_ms), monotone({t: draft_ms[t] for t in sizes})
     predicted = {t: tau[t] * verify_ms[1] / (verify_ms[t] + draft_ms[t]) for t in sizes}
     return max(predicted, key=predicted.get), predicted

@@ -32,6 +32,7 @@ from eval import (
     choose_total_tokens,
     default_medusa_choices,
     measure_verify_time,
+    monotone,
     static_tree,
     warp,
 )
@@ -398,6 +399,21 @@ def test_acceptance_curve_and_choice():
     assert set(predicted) == {2, 3, 6, 10}    # the root alone (plain decoding) is no tree
     # speedup(T) = tau(T) * verify(1) / (verify(T) + draft(T)): 1.11, 1.19, 1.33, 0.73
     assert predicted[6] == pytest.approx(2.0 * 10 / 15) and best == 6
+
+
+def test_tree_sizing_fits_costs_that_never_fall_with_more_tokens():
+    """Verify and draft times are fitted non-decreasing before the choice: a size timed below a smaller one (noise)
+    is not taken at its lucky time, which made it look best."""
+    assert monotone({1: 5.0, 2: 3.0, 4: 4.0, 8: 10.0, 16: 9.0}) == {1: 4.0, 2: 4.0, 4: 4.0, 8: 9.5, 16: 9.5}
+    assert monotone({1: 1.0, 2: 2.0}) == {1: 1.0, 2: 2.0}
+    tau = {1: 1.0, 2: 1.3, 4: 1.62, 8: 1.8, 16: 1.85}
+    verify = {1: 20.0, 2: 22.0, 4: 24.0, 8: 30.0, 16: 26.0}   # 16 tokens timed 4 ms under 8
+    draft = {2: 1.0, 4: 1.0, 8: 1.2, 16: 0.8}                 # pooled: 1 each
+    best, predicted = choose_total_tokens(verify, tau, draft)
+    assert predicted[16] == pytest.approx(1.85 * 20 / (28 + 1)) and predicted[8] == pytest.approx(1.8 * 20 / (28 + 1))
+    assert best == 4 and predicted[4] == pytest.approx(1.62 * 20 / 25)
+    raw = {t: tau[t] * verify[1] / (verify[t] + draft[t]) for t in predicted}
+    assert max(raw, key=raw.get) == 16   # what the lucky time chose without the fit
 
 
 def test_measure_verify_time_and_draft_times(tiny: Setup):
