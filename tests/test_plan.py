@@ -107,6 +107,9 @@ def test_plan_times_the_data_stage(cfg_factory):
     assert "TIME  data + extract + train" in planner.format_plan(hf)
     fewer = planner.plan(cfg_factory(*args, "data.train_rows=100", "data.regenerate=true"))["data"]
     assert fewer["answers"] == 100 + 50   # the training rows asked for + every validation row (5% of 1000)
+    hub = ("data.sources=[{hf:some/dataset},{type:synth}]", "planner.tokens=256000")   # rows not countable offline
+    counted = planner.plan(cfg_factory(*args[:3], *hub))["data"]
+    assert counted["answers"] == 256000 // 256 and counted["prompts"] == 100   # the synth source's default n
     given = planner.plan(cfg_factory(*args, "data.regenerate=false", "data.sources=[{type:builtin}]"))["data"]
     assert given["tokens"] == {"prompts": 0, "answers": 0} and given["hours"] == 0
     done = cfg_factory(*args)

@@ -157,10 +157,11 @@ def generation(cfg: DictConfig, sh: Shapes, kind: str, dtype: torch.dtype, world
     pc, dc = cfg.planner, cfg.data
     if (stage_dir(cfg, "data") / "manifest.json").exists():
         return {"done": True, "hours": 0.0}
-    rows = pc.rows or _count_rows(cfg)
+    # conversations: stated, else the stated tokens' worth, else counted in data.sources
+    rows = pc.rows or (round(pc.tokens / min(pc.avg_row_tokens, dc.max_length)) if pc.tokens else _count_rows(cfg))
     val = validation_count(rows, dc.validation_fraction, dc.validation_max_rows)
     answered = (val + min(rows - val, dc.train_rows or rows)) if dc.regenerate else 0
-    prompts = sum(int(s.n) for s in dc.sources if s.get("type") == "synth")
+    prompts = sum(_synth_n(s) for s in dc.sources if s.get("type") == "synth")
     answer = pc.answer_tokens or pc.answer_share * dc.regen.max_new_tokens
     tokens = {"prompts": round(prompts * pc.synth_tokens), "answers": round(answered * answer)}
     rate, basis = regen_rate(cfg, sh, kind, dtype)
@@ -196,6 +197,12 @@ def regen_rate(cfg: DictConfig, sh: Shapes, kind: str, dtype: torch.dtype) -> tu
                             else f"matmuls at planner.{kind}.regen_tflops"))
 
 
+def _synth_n(source) -> int:
+    from data.synth import DEFAULTS
+
+    return int(source.get("n", DEFAULTS["n"]))
+
+
 def _count_rows(cfg: DictConfig) -> int:
     from data.formats import BUILTIN, humaneval_path, read_rows
 
@@ -203,7 +210,7 @@ def _count_rows(cfg: DictConfig) -> int:
     for source in cfg.data.sources:
         kind = source.get("type")
         if kind == "synth":  # prompts the target writes: as many as asked for
-            total += source.n
+            total += _synth_n(source)
             continue
         path = BUILTIN if kind == "builtin" else humaneval_path() if kind == "humaneval" else source.get("path")
         if path is None:
