@@ -119,9 +119,12 @@ def monotone(curve: dict[int, float]) -> dict[int, float]:
 def choose_total_tokens(verify_ms: dict[int, float], tau: dict[int, float],
                         draft_ms: dict[int, float]) -> tuple[int, dict[int, float]]:
     """The tree size (2 tokens or more: the root alone is plain decoding) with the best predicted speedup
-    tau(T) * verify(1) / (verify(T) + draft(T)), and the prediction for every size; the verify and draft times
-    fitted :func:`monotone` first."""
+    tau(T) * verify(1) / (verify(T) + draft(T)), and the prediction for every size; the trees' verify and draft
+    times fitted :func:`monotone` first (verify(1), the median of every paired pass, is kept as measured: a
+    tree's fitted time stays at or above it)."""
     sizes = sorted(t for t in set(verify_ms) & set(tau) & set(draft_ms) if t >= 2)
-    verify_ms, draft_ms = monotone(verify_ms), monotone({t: draft_ms[t] for t in sizes})
-    predicted = {t: tau[t] * verify_ms[1] / (verify_ms[t] + draft_ms[t]) for t in sizes}
+    one = verify_ms[1]
+    verify = {t: max(ms, one) for t, ms in monotone({t: verify_ms[t] for t in sizes}).items()}
+    draft = monotone({t: draft_ms[t] for t in sizes})
+    predicted = {t: tau[t] * one / (verify[t] + draft[t]) for t in sizes}
     return max(predicted, key=predicted.get), predicted

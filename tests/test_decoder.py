@@ -405,7 +405,11 @@ def test_tree_sizing_fits_costs_that_never_fall_with_more_tokens():
     """Verify and draft times are fitted non-decreasing before the choice: a size timed below a smaller one (noise)
     is not taken at its lucky time, which made it look best."""
     assert monotone({1: 5.0, 2: 3.0, 4: 4.0, 8: 10.0, 16: 9.0}) == {1: 4.0, 2: 4.0, 4: 4.0, 8: 9.5, 16: 9.5}
-    assert monotone({1: 1.0, 2: 2.0}) == {1: 1.0, 2: 2.0}
+    assert monotone({1: 1.0, 2: 2.0}) == {1: 1.0, 2: 2.0} and monotone({4: 7.0}) == {4: 7.0}
+    assert monotone({8: 1.0, 1: 5.0, 2: 4.0, 4: 3.0}) == {1: 3.25, 2: 3.25, 4: 3.25, 8: 3.25}   # merges cascade
+    # a 2-token tree timed under one token is taken at one token's time, which stays as measured
+    best, predicted = choose_total_tokens({1: 10.0, 2: 9.0, 4: 12.0}, {1: 1.0, 2: 1.5, 4: 1.6}, {2: 0.0, 4: 0.0})
+    assert predicted == {2: pytest.approx(1.5), 4: pytest.approx(1.6 * 10 / 12)} and best == 2
     tau = {1: 1.0, 2: 1.3, 4: 1.62, 8: 1.8, 16: 1.85}
     verify = {1: 20.0, 2: 22.0, 4: 24.0, 8: 30.0, 16: 26.0}   # 16 tokens timed 4 ms under 8
     draft = {2: 1.0, 4: 1.0, 8: 1.2, 16: 0.8}                 # pooled: 1 each

@@ -79,15 +79,16 @@ def test_plan_holds_out_the_validation_rows_the_data_stage_will(cfg_factory):
         assert tokens == {"train": (rows - held) * per_row, "validation": held * per_row}
 
 
-def test_plan_times_the_data_stage(cfg_factory):
-    """The data stage's generation: prompts x planner.synth_tokens + conversations x answer tokens, over the
-    backend's rate x its replicas (hf: one per rank, vllm: one per GPU, openai: stated or unknown); a finished data
-    stage has nothing left; the extract stage copies the states kept while regenerating instead of computing them."""
+def test_plan_times_the_data_stage(cfg_factory, tmp_path):
+    """The data stage's generation: prompts x planner.synth_tokens + answered user turns x answer tokens, over the
+    backend's rate x its replicas (hf: one per rank, vllm: data-parallel replicas of its GPUs sharing
+    data.regen.concurrency, openai: stated or unknown); a finished data stage has nothing left; the extract stage
+    copies the states kept while regenerating instead of computing them."""
     args = ("model=qwen2.5-7b", "planner.device=gpu", "planner.rows=1000", "data.regen.max_new_tokens=1000",
             "data.sources=[{type:builtin},{type:synth,n:500,split:train}]")
     hf = planner.plan(cfg_factory(*args))
     ge = hf["data"]
-    assert ge["tokens"] == {"prompts": 500 * 64, "answers": round(1000 * 0.72 * 1000)} and ge["answers"] == 1000
+    assert ge["tokens"] == {"prompts": 500 * 64, "answers": round(1000 * 0.66 * 1000)} and ge["answers"] == 1000
     assert ge["hours"] == pytest.approx(sum(ge["tokens"].values()) / ge["tok_s"] / 3600)
     # a step of the hf loop at 28 layers costs more than reading 15 GB of bf16 weights over the rows' KV caches
     assert ge["tok_s"] == pytest.approx(64 / (28 * 3.2e-3 + (7.62e9 + 64 * 256 * 2 * 28 * 4 * 128) * 2 / 3350e9), rel=0.01)
@@ -95,6 +96,10 @@ def test_plan_times_the_data_stage(cfg_factory):
     assert eight["replicas"] == 8 and eight["hours"] == pytest.approx(ge["hours"] / 8)
     vllm = planner.plan(cfg_factory(*args, "data.regen.backend=vllm"))
     assert vllm["data"]["hours"] < ge["hours"] / 5   # no Python loop per layer
+    # 8 GPUs at -tp 2: 4 replicas of 2 GPUs, the 128 conversations in flight shared by them
+    tp = planner.plan(cfg_factory(*args, "data.regen.backend=vllm", "planner.world_size=8", "data.regen.concurrency=128",
+                                  "data.regen.vllm.args=[-tp,2]"))["data"]
+    assert tp["replicas"] == 4 and tp["basis"].startswith("32 rows a step") and "over 2 GPUs" in tp["basis"]
     # the hf backend keeps the states it generates: extract copies them (reads and writes them: disk-bound);
     # vllm's rows need the target's forward pass
     ex = hf["extract"]
@@ -105,19 +110,56 @@ def test_plan_times_the_data_stage(cfg_factory):
     stated = planner.plan(cfg_factory(*args, "data.regen.backend=openai", "planner.regen_tok_s=1000"))["data"]
     assert stated["hours"] == pytest.approx(sum(ge["tokens"].values()) / 1000 / 3600)
     assert "TIME  data + extract + train" in planner.format_plan(hf)
-    fewer = planner.plan(cfg_factory(*args, "data.train_rows=100", "data.regenerate=true"))["data"]
-    assert fewer["answers"] == 100 + 50   # the training rows asked for + every validation row (5% of 1000)
-    hub = ("data.sources=[{hf:some/dataset},{type:synth}]", "planner.tokens=256000")   # rows not countable offline
-    counted = planner.plan(cfg_factory(*args[:3], *hub))["data"]
-    assert counted["answers"] == 256000 // 256 and counted["prompts"] == 100   # the synth source's default n
-    given = planner.plan(cfg_factory(*args, "data.regenerate=false", "data.sources=[{type:builtin}]"))["data"]
-    assert given["tokens"] == {"prompts": 0, "answers": 0} and given["hours"] == 0
+    # a slow disk binds the hf backend's kept states
+    slow = planner.plan(cfg_factory(*args, "planner.disk_mb_s=1"))["data"]
+    assert slow["basis"].startswith("planner.disk_mb_s") and slow["hours"] == pytest.approx(
+        1000 * 256 * hf["extract"]["bytes_per_token"] / 1e6 / 3600)
+    given = planner.plan(cfg_factory(*args, "data.regenerate=false", "data.sources=[{type:builtin}]"))
+    assert given["data"]["tokens"] == {"prompts": 0, "answers": 0} and given["data"]["hours"] == 0
+    assert "copying" not in given["extract"]["basis"]   # nothing regenerated, nothing kept
     done = cfg_factory(*args)
     manifest = planner.stage_dir(done, "data") / "manifest.json"
     manifest.parent.mkdir(parents=True)
     manifest.write_text(json.dumps({"tokens": {"train": 10, "validation": 1}}))
     finished = planner.plan(done)
     assert finished["data"] == {"done": True, "hours": 0.0} and "DATA  done" in planner.format_plan(finished)
+
+
+def test_plan_counts_rows_and_turns_as_the_data_stage_will(cfg_factory, tmp_path):
+    """Rows with a split of their own keep it, the others split as assign_splits will; every user turn is an answer;
+    data.train_rows keeps its share of the training rows and turns; a synth source counts min(n, limit) rows (all n
+    prompts written); a Hub source needs planner.rows or planner.tokens."""
+    from data.stage import assign_splits
+
+    local = tmp_path / "chats.jsonl"
+    convs = [{"messages": [{"role": "user", "content": f"question {i} " * 3}, {"role": "assistant", "content": "a"},
+                           {"role": "user", "content": "and then?"}, {"role": "assistant", "content": "b"}]}
+             for i in range(40)]
+    local.write_text("\n".join(json.dumps(c) for c in convs))
+    sources = (f"data.sources=[{{type:builtin}},{{path:{local}}},{{type:synth,n:30,limit:20,split:train}}]",
+               "data.validation_fraction=0.1")
+    rows = planner.count_rows(cfg_factory(*sources))
+    builtin = planner.count_rows(cfg_factory("data.sources=[{type:builtin}]"))
+    free = [{"id": str(i), "split": None} for i in range(40)]
+    assign_splits(free, 0.1, 0)
+    held = sum(c["split"] == "validation" for c in free)
+    assert held == 4 and builtin.validation == 96   # the built-in set's own validation split, not 5% of it
+    assert rows.validation == builtin.validation + held and rows.train == builtin.train + 40 - held + 20
+    assert rows.turns == builtin.turns + 2 * 40 + 20 and builtin.turns > builtin.train + builtin.validation
+    subset = planner.count_rows(cfg_factory(*sources, "data.train_rows=100"))
+    assert subset.train == 100 and subset.validation == rows.validation
+    assert subset.validation_turns == rows.validation_turns
+    assert subset.train_turns == pytest.approx(rows.train_turns * 100 / rows.train)
+    tokens, _ = planner.data_tokens(cfg_factory(*sources, "data.train_rows=100"))
+    assert tokens == {"train": 100 * 256, "validation": rows.validation * 256}
+    plan = planner.plan(cfg_factory(*sources))["data"]
+    assert plan["prompts"] == 30 and plan["answers"] == rows.turns
+    hub = "data.sources=[{hf:some/dataset},{type:synth}]"
+    with pytest.raises(planner.ConfigError, match="planner.rows"):
+        planner.count_rows(cfg_factory(hub))
+    counted = planner.count_rows(cfg_factory(hub, "planner.tokens=256000"))
+    assert counted.train + counted.validation == counted.turns == 1000
+    assert planner.plan(cfg_factory(hub, "planner.rows=10"))["data"]["prompts"] == 100   # the synth default n
 
 
 def test_check_train_memory_refuses_when_short(cfg_factory, monkeypatch):

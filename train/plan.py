@@ -13,7 +13,6 @@ and the integration test checks the sum against the live tensors of a real train
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import shutil
@@ -133,68 +132,54 @@ def shapes(cfg: DictConfig, config) -> Shapes:
 
 
 # ------------------------------------------------------------------------------------------------ data
-def data_tokens(cfg: DictConfig) -> tuple[dict[str, int], str]:
-    """({train, validation} tokens, where the figure comes from)."""
-    pcfg = cfg.planner
-    manifest = stage_dir(cfg, "data") / "manifest.json"
-    if pcfg.tokens:
-        return {"train": int(pcfg.tokens), "validation": 0}, "planner.tokens"
-    if manifest.exists():
-        return {k: int(v) for k, v in json.loads(manifest.read_text())["tokens"].items()}, f"data manifest {manifest}"
-    rows = pcfg.rows or _count_rows(cfg)
-    per_row = min(pcfg.avg_row_tokens, cfg.data.max_length)
-    val = validation_count(rows, cfg.data.validation_fraction, cfg.data.validation_max_rows) * per_row
-    return ({"train": rows * per_row - val, "validation": val},
-            f"estimate: {rows} rows x {per_row} tokens/row (planner.avg_row_tokens); run the data stage or "
-            "set planner.tokens for the real figure")
+@dataclass
+class Rows:
+    """The conversations the data stage will keep, by split (rows without a split of their own split as
+    :func:`data.stage.assign_splits` will, ``data.train_rows`` applied), and the user turns regeneration answers."""
+
+    train: int
+    validation: int
+    train_turns: float
+    validation_turns: float
+    source: str
+
+    @property
+    def turns(self) -> int:
+        return round(self.train_turns + self.validation_turns)
 
 
-def generation(cfg: DictConfig, sh: Shapes, kind: str, dtype: torch.dtype, world: int, per_token: int) -> dict:
-    """The data stage's generation (``data.sources`` of type synth: the target writes prompts; ``data.regenerate``:
-    it answers every conversation): tokens, throughput of all ranks (:func:`regen_rate`) and hours; nothing left
-    when the data stage is done. Keeping the states of what it generates (``extract.source``) also writes
-    ``per_token`` bytes per token of every row: the disk's bandwidth (``planner.disk_mb_s``) can bind instead."""
+def count_rows(cfg: DictConfig) -> Rows:
+    """:class:`Rows` from ``planner.rows`` or ``planner.tokens`` (one turn each, no split of their own), else read
+    from ``data.sources`` (builtin, humaneval, local files; synth: its ``n``, ``limit`` applied)."""
+    from data.formats import read_source, row_split
+
     pc, dc = cfg.planner, cfg.data
-    if (stage_dir(cfg, "data") / "manifest.json").exists():
-        return {"done": True, "hours": 0.0}
-    # conversations: stated, else the stated tokens' worth, else counted in data.sources
-    rows = pc.rows or (round(pc.tokens / min(pc.avg_row_tokens, dc.max_length)) if pc.tokens else _count_rows(cfg))
-    val = validation_count(rows, dc.validation_fraction, dc.validation_max_rows)
-    answered = (val + min(rows - val, dc.train_rows or rows)) if dc.regenerate else 0
-    prompts = sum(_synth_n(s) for s in dc.sources if s.get("type") == "synth")
-    answer = pc.answer_tokens or pc.answer_share * dc.regen.max_new_tokens
-    tokens = {"prompts": round(prompts * pc.synth_tokens), "answers": round(answered * answer)}
-    rate, basis = regen_rate(cfg, sh, kind, dtype)
-    replicas = 1 if dc.regen.backend == "openai" or (dc.regen.backend == "vllm" and kind == "cpu") else world
-    hours = None if rate is None else sum(tokens.values()) / (rate * replicas) / 3600
-    if keeps_states(cfg) and hours is not None:
-        disk_h = answered * min(pc.avg_row_tokens, dc.max_length) * per_token / (pc.disk_mb_s * 1e6) / 3600
-        if disk_h > hours:
-            hours, basis = disk_h, f"planner.disk_mb_s: writing the states kept for extract ({basis} would be faster)"
-    return {"done": False, "prompts": prompts, "answers": answered, "tokens": tokens, "tok_s": rate,
-            "replicas": replicas, "basis": basis, "hours": hours}
-
-
-def regen_rate(cfg: DictConfig, sh: Shapes, kind: str, dtype: torch.dtype) -> tuple[float | None, str]:
-    """Tokens/s one replica generates (a rank of the ``hf`` backend, a GPU of the ``vllm`` server), and why: a
-    decode step over B rows costs the backend's own loop (``hf``: ``hf_step_ms_per_layer`` x layers) plus the
-    larger of reading the weights and the rows' KV cache (``hbm_gb_s``) and the matmuls (``regen_tflops``).
-    ``openai`` (a server run elsewhere) and ``planner.regen_tok_s`` are taken as stated."""
-    pc, rg = cfg.planner, cfg.data.regen
-    if pc.regen_tok_s:
-        return float(pc.regen_tok_s), "planner.regen_tok_s"
-    if rg.backend == "openai":
-        return None, "a server of your own (data.regen.backend=openai): set planner.regen_tok_s"
-    rates = pc[kind]
-    rows = rg.batch_size if rg.backend == "hf" else rg.concurrency or (64 if kind == "gpu" else 16)
-    context = min(pc.avg_row_tokens, cfg.data.max_length)   # the rows' mean cached length, about
-    loop = rates.hf_step_ms_per_layer * sh.config.num_hidden_layers / 1e3 if rg.backend == "hf" else 0.0
-    memory = (sh.target_params + rows * context * _kv_bytes(sh.config, 1)) * dtype.itemsize / (rates.hbm_gb_s * 1e9)
-    compute = 2 * sh.target_linear * rows / (rates.regen_tflops * 1e12)
-    step = loop + max(memory, compute)
-    return rows / step, (f"{rows} rows a step of {step * 1e3:.0f} ms: {rg.backend} loop {loop * 1e3:.0f} ms + "
-                         + (f"weights and KV cache at planner.{kind}.hbm_gb_s" if memory > compute
-                            else f"matmuls at planner.{kind}.regen_tflops"))
+    rows, turns = Counter(), Counter()   # by split (None: assigned later)
+    if pc.rows or pc.tokens:
+        rows[None] = turns[None] = int(pc.rows or round(pc.tokens / min(pc.avg_row_tokens, dc.max_length)))
+        source = "planner.rows" if pc.rows else "planner.tokens / planner.avg_row_tokens"
+    else:
+        source = "data.sources"
+        for src in dc.sources:
+            if src.get("type") == "synth":   # prompts the target writes: as many as asked for, one turn each
+                n = min(_synth_n(src), src.get("limit") or 1 << 62)
+                rows[row_split({}, src)] += n
+                turns[row_split({}, src)] += n
+            elif src.get("hf"):
+                raise ConfigError(f"the planner cannot count the rows of data source {dict(src)} (a Hub dataset): "
+                                  "set planner.rows (conversations) or planner.tokens, or run the data stage first")
+            else:
+                for conv in read_source(src, "skip", Counter()):
+                    rows[conv["split"]] += 1
+                    turns[conv["split"]] += sum(m["role"] == "user" for m in conv["messages"])
+    free_val = validation_count(rows[None], dc.validation_fraction, dc.validation_max_rows) if rows[None] else 0
+    val, train = rows["validation"] + free_val, rows["train"] + rows[None] - free_val
+    per_turn = turns[None] / max(rows[None], 1)   # of the rows without a split of their own
+    val_turns = turns["validation"] + free_val * per_turn
+    train_turns = turns["train"] + (rows[None] - free_val) * per_turn
+    if dc.train_rows is not None and dc.train_rows < train:   # a random subset: its share of the turns
+        train_turns, train = train_turns * dc.train_rows / train, int(dc.train_rows)
+    return Rows(train, val, train_turns, val_turns, source)
 
 
 def _synth_n(source) -> int:
@@ -203,21 +188,84 @@ def _synth_n(source) -> int:
     return int(source.get("n", DEFAULTS["n"]))
 
 
-def _count_rows(cfg: DictConfig) -> int:
-    from data.formats import BUILTIN, humaneval_path, read_rows
+def data_tokens(cfg: DictConfig, rows: Rows | None = None) -> tuple[dict[str, int], str]:
+    """({train, validation} tokens, where the figure comes from); ``rows``: :func:`count_rows`'s, if counted."""
+    pcfg = cfg.planner
+    manifest = stage_dir(cfg, "data") / "manifest.json"
+    if pcfg.tokens:
+        return {"train": int(pcfg.tokens), "validation": 0}, "planner.tokens"
+    if manifest.exists():
+        return {k: int(v) for k, v in json.loads(manifest.read_text())["tokens"].items()}, f"data manifest {manifest}"
+    rows = rows or count_rows(cfg)
+    per_row = min(pcfg.avg_row_tokens, cfg.data.max_length)
+    return ({"train": rows.train * per_row, "validation": rows.validation * per_row},
+            f"estimate: {rows.train + rows.validation} rows ({rows.source}) x {per_row} tokens/row "
+            "(planner.avg_row_tokens); run the data stage or set planner.tokens for the real figure")
 
-    total = 0
-    for source in cfg.data.sources:
-        kind = source.get("type")
-        if kind == "synth":  # prompts the target writes: as many as asked for
-            total += _synth_n(source)
-            continue
-        path = BUILTIN if kind == "builtin" else humaneval_path() if kind == "humaneval" else source.get("path")
-        if path is None:
-            raise ConfigError(f"the planner cannot count the rows of data source {dict(source)} (a Hub dataset): "
-                              "set planner.rows (conversations) or planner.tokens, or run the data stage first")
-        total += sum(1 for _ in itertools.islice(read_rows(path, "skip", Counter()), source.get("limit")))
-    return total
+
+def generation(cfg: DictConfig, sh: Shapes, kind: str, dtype: torch.dtype, world: int, per_token: int,
+               rows: Rows | None = None) -> dict:
+    """The data stage's generation (``data.sources`` of type synth: the target writes prompts; ``data.regenerate``:
+    it answers every user turn of every conversation kept): tokens, tokens/s of one replica and the replicas
+    (:func:`regen_rate`), hours; nothing left when the data stage is done. Keeping the states of what it generates
+    (``extract.source``) also writes ``per_token`` bytes per token of every row: the disk's bandwidth
+    (``planner.disk_mb_s``) can bind instead. ``rows``: :func:`count_rows`'s, if counted."""
+    pc, dc = cfg.planner, cfg.data
+    if (stage_dir(cfg, "data") / "manifest.json").exists():
+        return {"done": True, "hours": 0.0}
+    rows = rows or count_rows(cfg)
+    answers = rows.turns if dc.regenerate else 0
+    prompts = sum(_synth_n(s) for s in dc.sources if s.get("type") == "synth")
+    answer = pc.answer_tokens or pc.answer_share * dc.regen.max_new_tokens
+    tokens = {"prompts": round(prompts * pc.synth_tokens), "answers": round(answers * answer)}
+    rate, replicas, basis = regen_rate(cfg, sh, kind, dtype, world)
+    hours = None if rate is None else sum(tokens.values()) / (rate * replicas) / 3600
+    if keeps_states(cfg) and dc.regenerate and hours is not None:
+        row_tokens = (rows.train + rows.validation) * min(pc.avg_row_tokens, dc.max_length)
+        disk_h = row_tokens * per_token / (pc.disk_mb_s * 1e6) / 3600
+        if disk_h > hours:
+            hours, basis = disk_h, f"planner.disk_mb_s: writing the states kept for extract ({basis} would be faster)"
+    return {"done": False, "prompts": prompts, "answers": answers, "tokens": tokens, "tok_s": rate,
+            "replicas": replicas, "basis": basis, "hours": hours}
+
+
+def regen_rate(cfg: DictConfig, sh: Shapes, kind: str, dtype: torch.dtype,
+               world: int) -> tuple[float | None, int, str]:
+    """(tokens/s of one replica, replicas, why). Replicas: the ``hf`` backend's ranks (rank 0 alone when it
+    regenerates nothing), the ``vllm`` server's data-parallel replicas over ``world`` GPUs (``-tp``/``-dp`` of
+    ``data.regen.vllm.args``, as :class:`data.engines.VLLMServer` starts it), one ``openai`` server. A decode step
+    over B rows (hf: ``data.regen.batch_size``; vllm: ``data.regen.concurrency`` shared by the replicas) costs the
+    backend's own loop (``hf``: ``hf_step_ms_per_layer`` x layers) plus the larger of reading the weights and the
+    rows' KV cache (``hbm_gb_s``) and the matmuls (``regen_tflops``), both over the tensor-parallel GPUs. An
+    ``openai`` server's rate, and ``planner.regen_tok_s``, are taken as stated."""
+    from data.engines import DP_FLAGS, TP_FLAGS, _flag
+
+    pc, rg = cfg.planner, cfg.data.regen
+    if rg.backend == "openai":
+        return (float(pc.regen_tok_s), 1, "planner.regen_tok_s") if pc.regen_tok_s else (
+            None, 1, "a server of your own (data.regen.backend=openai): set planner.regen_tok_s")
+    tp = 1
+    if rg.backend == "hf":
+        replicas, rows = (world if cfg.data.regenerate else 1), rg.batch_size
+    elif kind == "gpu":
+        args = [str(a) for a in rg.vllm.args]
+        tp = _flag(args, TP_FLAGS) or 1
+        replicas = _flag(args, DP_FLAGS) or max(1, world // tp)
+        rows = max(1, (rg.concurrency or 64 * tp * replicas) // replicas)
+    else:
+        replicas, rows = 1, rg.concurrency or 16
+    if pc.regen_tok_s:
+        return float(pc.regen_tok_s), replicas, "planner.regen_tok_s"
+    rates = pc[kind]
+    context = min(pc.avg_row_tokens, cfg.data.max_length)   # the rows' mean cached length, about
+    loop = rates.hf_step_ms_per_layer * sh.config.num_hidden_layers / 1e3 if rg.backend == "hf" else 0.0
+    memory = (sh.target_params + rows * context * _kv_bytes(sh.config, 1)) * dtype.itemsize / (tp * rates.hbm_gb_s * 1e9)
+    compute = 2 * sh.target_linear * rows / (tp * rates.regen_tflops * 1e12)
+    step = loop + max(memory, compute)
+    return rows / step, replicas, (
+        f"{rows} rows a step of {step * 1e3:.0f} ms" + (f" over {tp} GPUs" if tp > 1 else "")
+        + f": {rg.backend} loop {loop * 1e3:.0f} ms + "
+        + (f"weights and KV cache at planner.{kind}.hbm_gb_s" if memory > compute else f"matmuls at planner.{kind}.regen_tflops"))
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -397,7 +445,8 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
     world = int(pc.world_size or os.environ.get("WORLD_SIZE", 1))
     sh = shapes(cfg, config)
     H, V = sh.config.hidden_size, sh.head.draft_vocab_size
-    tokens, tokens_source = data_tokens(cfg)
+    rows = None if (stage_dir(cfg, "data") / "manifest.json").exists() else count_rows(cfg)
+    tokens, tokens_source = data_tokens(cfg, rows)
     total = sum(tokens.values())
     per_token = sh.captured * H * getattr(torch, cfg.extract.dtype).itemsize + 4   # + the int32 argmax
     run_dir = Path(cfg.run_dir).absolute()
@@ -411,8 +460,9 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
     extract_rate = min(compute_rate, disk_rate)
     extract_basis = ("planner.disk_mb_s" if disk_rate < compute_rate else "planner.extract_tok_s" if pc.extract_tok_s
                      else f"planner.{kind}.extract_tflops / {2 * sh.target_linear / 1e9:.2f} GFLOP/token")
-    if keeps_states(cfg):   # the states kept while regenerating are copied, not computed again: read + write
-        extract_rate, extract_basis = disk_rate / 2, "planner.disk_mb_s: copying the states kept while regenerating"
+    if keeps_states(cfg) and cfg.data.regenerate:   # the states kept while regenerating: copied (read + write)
+        extract_rate, extract_basis = disk_rate / 2, ("planner.disk_mb_s: copying the states kept while regenerating "
+                                                      "(answers already cached, or a disk gone short, need a pass)")
     steps = cfg.head.ttt_steps if cfg.head.type == "eagle3" else 1
     train_flops = (6 * (sh.head_once + steps * sh.head_repeat) + 2 * H * V   # + target_view's [H, draft vocab] matmul
                    + (2 * sh.target_linear if tc.online else 0))
@@ -430,7 +480,7 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
         "model": cfg.model.name, "architecture": type(config).__name__.removesuffix("Config"), "config_source": source,
         "device": device.type, "dtype": _name(dtype), "world_size": world, "shapes": sh, "tokens": tokens,
         "tokens_source": tokens_source, "free_here": _free_memory(device) if _here(device) else None,
-        "data": generation(cfg, sh, kind, regen_dtype(cfg) if kind == "cpu" else dtype, world, per_token),
+        "data": generation(cfg, sh, kind, regen_dtype(cfg, device), world, per_token, rows),
         "headroom": pc.headroom, "online": bool(tc.online),
         "extract": {"bytes_per_token": per_token, "disk_bytes": total * per_token, "disk_dir": str(disk_dir),
                     # states kept while regenerating sit beside the shards until extract has copied them all
@@ -489,7 +539,7 @@ def format_plan(p: dict) -> str:
     else:
         lines += ["", "DATA", f"  {'generation':<27}{ge['tokens']['prompts'] + ge['tokens']['answers']:>12,} tokens   "
                   f"{ge['prompts']:,} prompts written by the target x planner.synth_tokens, {ge['answers']:,} "
-                  "conversations answered x planner.answer_tokens (null: planner.answer_share x data.regen.max_new_tokens)",
+                  "answers (user turns) x planner.answer_tokens (null: planner.answer_share x data.regen.max_new_tokens)",
                   f"  {'time':<27}" + ("       ?    " if ge["hours"] is None else _duration(ge["hours"]))
                   + (f"   at {ge['tok_s']:,.0f} tok/s x {ge['replicas']} replica(s)" if ge["tok_s"] else "")
                   + f" ({ge['basis']})"]

@@ -80,13 +80,13 @@ def cpu_has_bf16() -> bool:
     return bool(caps.get("amx_bf16") or caps.get("avx512_bf16"))
 
 
-def regen_dtype(cfg: DictConfig) -> torch.dtype:
+def regen_dtype(cfg: DictConfig, device: torch.device | None = None) -> torch.dtype:
     """``data.regen.dtype`` of the ``hf`` backend. ``auto``: bfloat16 on a CPU that multiplies bf16 natively
     (:func:`cpu_has_bf16`), where batched regeneration ran 1.3x (AMX) to 1.9x (AVX-512 BF16) faster than in
     float32 and heads trained on its answers and states score the same against the float32 target (README,
-    "bf16 on a CPU"); elsewhere the run's dtype (bfloat16 on GPU)."""
+    "bf16 on a CPU"); elsewhere the run's dtype (bfloat16 on GPU). ``device``: where it runs (default: the run's)."""
     name = cfg.data.regen.get("dtype", "auto")
-    device = resolve_device(cfg.device)
+    device = device or resolve_device(cfg.device)
     if name == "auto":
         if device.type == "cpu" and cpu_has_bf16():
             return torch.bfloat16
