@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from tests.conftest import ROOT, child_env, make_cfg
 from train import plan as planner
+from train.stages import _write_marker, fingerprint
 
 GiB = 2**30
 
@@ -117,12 +119,18 @@ def test_plan_times_the_data_stage(cfg_factory, tmp_path):
     given = planner.plan(cfg_factory(*args, "data.regenerate=false", "data.sources=[{type:builtin}]"))
     assert given["data"]["tokens"] == {"prompts": 0, "answers": 0} and given["data"]["hours"] == 0
     assert "copying" not in given["extract"]["basis"]   # nothing regenerated, nothing kept
+    # stages whose outputs are current take no time; a marker of another config does not count
     done = cfg_factory(*args)
-    manifest = planner.stage_dir(done, "data") / "manifest.json"
-    manifest.parent.mkdir(parents=True)
-    manifest.write_text(json.dumps({"tokens": {"train": 10, "validation": 1}}))
+    for name in ("data", "extract"):
+        planner.stage_dir(done, name).mkdir(parents=True)
+        _write_marker(done, name, fingerprint(done, name), time.time(), {})
+    (planner.stage_dir(done, "data") / "manifest.json").write_text(json.dumps({"tokens": {"train": 10, "validation": 1}}))
     finished = planner.plan(done)
-    assert finished["data"] == {"done": True, "hours": 0.0} and "DATA  done" in planner.format_plan(finished)
+    text = planner.format_plan(finished)
+    assert finished["data"] == {"done": True, "hours": 0.0} and "DATA  done" in text
+    assert finished["extract"]["hours"] == 0 and finished["train"]["hours"] > 0 and "time" in text
+    changed = planner.plan(cfg_factory(*args, "data.regen.max_new_tokens=999"))
+    assert not changed["data"]["done"] and changed["data"]["hours"] > 0 and changed["extract"]["hours"] > 0
 
 
 def test_plan_counts_rows_and_turns_as_the_data_stage_will(cfg_factory, tmp_path):

@@ -38,7 +38,7 @@ from train import dist
 from train.errors import ConfigError, UserError
 from train.extract import capture_layers
 from train.log import log
-from train.stages import stage_dir
+from train.stages import current_marker, stage_dir, upstream
 from train.target import load_config, regen_dtype, resolve_device, resolve_dtype
 
 ARCH_DIR = Path(__file__).resolve().parents[1] / "conf" / "model" / "arch"
@@ -204,14 +204,15 @@ def data_tokens(cfg: DictConfig, rows: Rows | None = None) -> tuple[dict[str, in
 
 
 def generation(cfg: DictConfig, sh: Shapes, kind: str, dtype: torch.dtype, world: int, per_token: int,
-               rows: Rows | None = None) -> dict:
+               rows: Rows | None = None, done: bool = False) -> dict:
     """The data stage's generation (``data.sources`` of type synth: the target writes prompts; ``data.regenerate``:
     it answers every user turn of every conversation kept): tokens, tokens/s of one replica and the replicas
     (:func:`regen_rate`), hours; nothing left when the data stage is done. Keeping the states of what it generates
     (``extract.source``) also writes ``per_token`` bytes per token of every row: the disk's bandwidth
-    (``planner.disk_mb_s``) can bind instead. ``rows``: :func:`count_rows`'s, if counted."""
+    (``planner.disk_mb_s``) can bind instead. ``rows``: :func:`count_rows`'s, if counted; ``done``: the data stage's
+    outputs are current (nothing to generate)."""
     pc, dc = cfg.planner, cfg.data
-    if (stage_dir(cfg, "data") / "manifest.json").exists():
+    if done:
         return {"done": True, "hours": 0.0}
     rows = rows or count_rows(cfg)
     answers = rows.turns if dc.regenerate else 0
@@ -445,7 +446,10 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
     world = int(pc.world_size or os.environ.get("WORLD_SIZE", 1))
     sh = shapes(cfg, config)
     H, V = sh.config.hidden_size, sh.head.draft_vocab_size
-    rows = None if (stage_dir(cfg, "data") / "manifest.json").exists() else count_rows(cfg)
+    done: dict[str, bool] = {}   # outputs current, and so are its upstream stages' (a stage that reruns reruns those after it)
+    for name in ("data", "extract", "train"):
+        done[name] = current_marker(cfg, name) is not None and all(done.get(u, True) for u in upstream(cfg, name))
+    rows = None if done["data"] or (stage_dir(cfg, "data") / "manifest.json").exists() else count_rows(cfg)
     tokens, tokens_source = data_tokens(cfg, rows)
     total = sum(tokens.values())
     per_token = sh.captured * H * getattr(torch, cfg.extract.dtype).itemsize + 4   # + the int32 argmax
@@ -480,17 +484,18 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
         "model": cfg.model.name, "architecture": type(config).__name__.removesuffix("Config"), "config_source": source,
         "device": device.type, "dtype": _name(dtype), "world_size": world, "shapes": sh, "tokens": tokens,
         "tokens_source": tokens_source, "free_here": _free_memory(device) if _here(device) else None,
-        "data": generation(cfg, sh, kind, regen_dtype(cfg, device), world, per_token, rows),
+        "data": generation(cfg, sh, kind, regen_dtype(cfg, device), world, per_token, rows, done["data"]),
         "headroom": pc.headroom, "online": bool(tc.online),
         "extract": {"bytes_per_token": per_token, "disk_bytes": total * per_token, "disk_dir": str(disk_dir),
                     # states kept while regenerating sit beside the shards until extract has copied them all
                     "disk_peak": total * per_token * (2 if keeps_states(cfg) else 1),
                     "disk_free": shutil.disk_usage(disk_dir).free, "disk_margin": cfg.extract.disk_margin,
                     "memory": extract_memory(cfg, sh, extract_dtype, world), "tok_s": extract_rate, "basis": extract_basis,
-                    "hours": total / (extract_rate * world) / 3600},
+                    "hours": 0.0 if done["extract"] else total / (extract_rate * world) / 3600, "done": done["extract"]},
         "train": {"memory": train_memory(cfg, sh, dtype, world), "tok_s": train_rate, "tokens": trained,
                   "checkpoints": checkpoints, "checkpoint_bytes": checkpoint, "disk_bytes": checkpoint * checkpoints,
-                  "basis": train_basis, "hours": min(train_h, (tc.max_minutes or 1e9) / 60),
+                  "basis": train_basis, "hours": 0.0 if done["train"] else min(train_h, (tc.max_minutes or 1e9) / 60),
+                  "done": done["train"],
                   "capped": bool(tc.max_minutes) and train_h > tc.max_minutes / 60},
         "eval": {"memory": eval_memory(cfg, sh, dtype)},
     }
@@ -535,7 +540,7 @@ def format_plan(p: dict) -> str:
 
     ge = p["data"]
     if ge["done"]:
-        lines += ["", "DATA  done (its manifest exists): nothing to generate"]
+        lines += ["", "DATA  done (its outputs are current): nothing to generate"]
     else:
         lines += ["", "DATA", f"  {'generation':<27}{ge['tokens']['prompts'] + ge['tokens']['answers']:>12,} tokens   "
                   f"{ge['prompts']:,} prompts written by the target x planner.synth_tokens, {ge['answers']:,} "
@@ -553,13 +558,15 @@ def format_plan(p: dict) -> str:
                      "stay until extract has copied them into its shards" if ex["disk_peak"] > ex["disk_bytes"] else "")
                   + (f"   << DISK TOO SMALL (x{ex['disk_margin']} margin): extract will refuse" if short_disk else "")]
         memory("memory per rank (peak)", ex["memory"])
-        lines.append(f"  {'time':<27}{_duration(ex['hours'])}   at {ex['tok_s']:,.0f} tok/s per rank ({ex['basis']})")
+        lines.append(f"  {'time':<27}" + ("    done     (its outputs are current)" if ex["done"] else
+                     f"{_duration(ex['hours'])}   at {ex['tok_s']:,.0f} tok/s per rank ({ex['basis']})"))
     lines += ["", "TRAIN", f"  {'disk':<27}{_gib(tr['disk_bytes'])}   {tr['checkpoints']} "
               f"checkpoints (train.keep_checkpoints + the next) x {tr['checkpoint_bytes'] / GiB:.2f} GiB: trainable "
               "weights, fp32 master copy and Adam moments (and train.ema's average)"]
     memory("memory per rank (peak)", tr["memory"])
-    lines.append(f"  {'time':<27}{_duration(tr['hours'])}   {tr['tokens']:,} tokens at {tr['tok_s']:,.0f} tok/s per rank "
-                 f"({tr['basis']})" + ("; capped by train.max_minutes" if tr["capped"] else ""))
+    lines.append(f"  {'time':<27}" + ("    done     (its outputs are current)" if tr["done"] else
+                 f"{_duration(tr['hours'])}   {tr['tokens']:,} tokens at {tr['tok_s']:,.0f} tok/s per rank "
+                 f"({tr['basis']})" + ("; capped by train.max_minutes" if tr["capped"] else "")))
     lines += ["", "EVAL"]
     memory("memory on rank 0 (peak)", p["eval"]["memory"])
     stages = [ge["hours"], 0.0 if p.get("online") else ex["hours"], tr["hours"]]
