@@ -148,6 +148,18 @@ class Rows:
         return round(self.train_turns + self.validation_turns)
 
 
+def row_tokens(cfg: DictConfig) -> int:
+    """Tokens per conversation assumed before the data stage has run (``planner.avg_row_tokens``, at most
+    ``data.max_length``)."""
+    return min(cfg.planner.avg_row_tokens, cfg.data.max_length)
+
+
+def copies_states(cfg: DictConfig) -> bool:
+    """Whether extract copies states the data stage keeps while it regenerates (:func:`data.captured.keeps_states`,
+    and something is regenerated), rather than computing them."""
+    return keeps_states(cfg) and bool(cfg.data.regenerate)
+
+
 def count_rows(cfg: DictConfig) -> Rows:
     """:class:`Rows` from ``planner.rows`` or ``planner.tokens`` (one turn each, no split of their own), else read
     from ``data.sources`` (builtin, humaneval, local files; synth: its ``n``, ``limit`` applied)."""
@@ -156,15 +168,15 @@ def count_rows(cfg: DictConfig) -> Rows:
     pc, dc = cfg.planner, cfg.data
     rows, turns = Counter(), Counter()   # by split (None: assigned later)
     if pc.rows or pc.tokens:
-        rows[None] = turns[None] = int(pc.rows or round(pc.tokens / min(pc.avg_row_tokens, dc.max_length)))
+        rows[None] = turns[None] = int(pc.rows or round(pc.tokens / row_tokens(cfg)))
         source = "planner.rows" if pc.rows else "planner.tokens / planner.avg_row_tokens"
     else:
         source = "data.sources"
         for src in dc.sources:
             if src.get("type") == "synth":   # prompts the target writes: as many as asked for, one turn each
-                n = min(_synth_n(src), src.get("limit") or 1 << 62)
-                rows[row_split({}, src)] += n
-                turns[row_split({}, src)] += n
+                n, split = min(_synth_n(src), src.get("limit") or 1 << 62), row_split({}, src)
+                rows[split] += n
+                turns[split] += n
             elif src.get("hf"):
                 raise ConfigError(f"the planner cannot count the rows of data source {dict(src)} (a Hub dataset): "
                                   "set planner.rows (conversations) or planner.tokens, or run the data stage first")
@@ -197,7 +209,7 @@ def data_tokens(cfg: DictConfig, rows: Rows | None = None) -> tuple[dict[str, in
     if manifest.exists():
         return {k: int(v) for k, v in json.loads(manifest.read_text())["tokens"].items()}, f"data manifest {manifest}"
     rows = rows or count_rows(cfg)
-    per_row = min(pcfg.avg_row_tokens, cfg.data.max_length)
+    per_row = row_tokens(cfg)
     return ({"train": rows.train * per_row, "validation": rows.validation * per_row},
             f"estimate: {rows.train + rows.validation} rows ({rows.source}) x {per_row} tokens/row "
             "(planner.avg_row_tokens); run the data stage or set planner.tokens for the real figure")
@@ -221,9 +233,8 @@ def generation(cfg: DictConfig, sh: Shapes, kind: str, dtype: torch.dtype, world
     tokens = {"prompts": round(prompts * pc.synth_tokens), "answers": round(answers * answer)}
     rate, replicas, basis = regen_rate(cfg, sh, kind, dtype, world)
     hours = None if rate is None else sum(tokens.values()) / (rate * replicas) / 3600
-    if keeps_states(cfg) and dc.regenerate and hours is not None:
-        row_tokens = (rows.train + rows.validation) * min(pc.avg_row_tokens, dc.max_length)
-        disk_h = row_tokens * per_token / (pc.disk_mb_s * 1e6) / 3600
+    if copies_states(cfg) and hours is not None:
+        disk_h = (rows.train + rows.validation) * row_tokens(cfg) * per_token / (pc.disk_mb_s * 1e6) / 3600
         if disk_h > hours:
             hours, basis = disk_h, f"planner.disk_mb_s: writing the states kept for extract ({basis} would be faster)"
     return {"done": False, "prompts": prompts, "answers": answers, "tokens": tokens, "tok_s": rate,
@@ -258,7 +269,7 @@ def regen_rate(cfg: DictConfig, sh: Shapes, kind: str, dtype: torch.dtype,
     if pc.regen_tok_s:
         return float(pc.regen_tok_s), replicas, "planner.regen_tok_s"
     rates = pc[kind]
-    context = min(pc.avg_row_tokens, cfg.data.max_length)   # the rows' mean cached length, about
+    context = row_tokens(cfg)   # the rows' mean cached length, about
     loop = rates.hf_step_ms_per_layer * sh.config.num_hidden_layers / 1e3 if rg.backend == "hf" else 0.0
     memory = (sh.target_params + rows * context * _kv_bytes(sh.config, 1)) * dtype.itemsize / (tp * rates.hbm_gb_s * 1e9)
     compute = 2 * sh.target_linear * rows / (tp * rates.regen_tflops * 1e12)
@@ -464,7 +475,7 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
     extract_rate = min(compute_rate, disk_rate)
     extract_basis = ("planner.disk_mb_s" if disk_rate < compute_rate else "planner.extract_tok_s" if pc.extract_tok_s
                      else f"planner.{kind}.extract_tflops / {2 * sh.target_linear / 1e9:.2f} GFLOP/token")
-    if keeps_states(cfg) and cfg.data.regenerate:   # the states kept while regenerating: copied (read + write)
+    if copies_states(cfg):   # the states kept while regenerating: copied (read + write)
         extract_rate, extract_basis = disk_rate / 2, ("planner.disk_mb_s: copying the states kept while regenerating "
                                                       "(answers already cached, or a disk gone short, need a pass)")
     steps = cfg.head.ttt_steps if cfg.head.type == "eagle3" else 1
@@ -517,6 +528,9 @@ def _duration(hours: float) -> str:
     return f"{hours * 60:8.1f} min" if hours < 1 else f"{hours:8.1f} h  " if hours < 48 else f"{hours / 24:8.1f} days"
 
 
+DONE = "    done     (its outputs are current)"   # the time of a stage with nothing left to do
+
+
 def format_plan(p: dict) -> str:
     """The plan as a table (what ``plan=true`` prints)."""
     sh, ex, tr = p["shapes"], p["extract"], p["train"]
@@ -558,13 +572,13 @@ def format_plan(p: dict) -> str:
                      "stay until extract has copied them into its shards" if ex["disk_peak"] > ex["disk_bytes"] else "")
                   + (f"   << DISK TOO SMALL (x{ex['disk_margin']} margin): extract will refuse" if short_disk else "")]
         memory("memory per rank (peak)", ex["memory"])
-        lines.append(f"  {'time':<27}" + ("    done     (its outputs are current)" if ex["done"] else
+        lines.append(f"  {'time':<27}" + (DONE if ex["done"] else
                      f"{_duration(ex['hours'])}   at {ex['tok_s']:,.0f} tok/s per rank ({ex['basis']})"))
     lines += ["", "TRAIN", f"  {'disk':<27}{_gib(tr['disk_bytes'])}   {tr['checkpoints']} "
               f"checkpoints (train.keep_checkpoints + the next) x {tr['checkpoint_bytes'] / GiB:.2f} GiB: trainable "
               "weights, fp32 master copy and Adam moments (and train.ema's average)"]
     memory("memory per rank (peak)", tr["memory"])
-    lines.append(f"  {'time':<27}" + ("    done     (its outputs are current)" if tr["done"] else
+    lines.append(f"  {'time':<27}" + (DONE if tr["done"] else
                  f"{_duration(tr['hours'])}   {tr['tokens']:,} tokens at {tr['tok_s']:,.0f} tok/s per rank "
                  f"({tr['basis']})" + ("; capped by train.max_minutes" if tr["capped"] else "")))
     lines += ["", "EVAL"]
