@@ -51,6 +51,10 @@ def test_plan_figures_follow_the_config(cfg_factory):
     single = planner.plan(cfg_factory("model=qwen2.5-7b", "planner.device=gpu", "planner.tokens=1000000",
                                       "extract.source=pass"))["extract"]
     assert single["disk_peak"] == single["disk_bytes"] == p["extract"]["disk_bytes"]
+    # extract.source=regen with nothing regenerated: no states kept, so none sit beside the shards
+    unregenerated = planner.plan(cfg_factory("model=qwen2.5-7b", "planner.device=gpu", "planner.tokens=1000000",
+                                             "extract.source=regen", "data.regenerate=false"))["extract"]
+    assert unregenerated["disk_peak"] == unregenerated["disk_bytes"]
     base = p["train"]["memory"]
     bigger = planner.plan(cfg_factory("model=qwen2.5-7b", "planner.device=gpu", "train.micro_batch_tokens=16384"))
     deeper = planner.plan(cfg_factory("model=qwen2.5-7b", "planner.device=gpu", "head.ttt_steps=8"))

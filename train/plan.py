@@ -499,7 +499,7 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
         "headroom": pc.headroom, "online": bool(tc.online),
         "extract": {"bytes_per_token": per_token, "disk_bytes": total * per_token, "disk_dir": str(disk_dir),
                     # states kept while regenerating sit beside the shards until extract has copied them all
-                    "disk_peak": total * per_token * (2 if keeps_states(cfg) else 1),
+                    "disk_peak": total * per_token * (2 if copies_states(cfg) else 1),
                     "disk_free": shutil.disk_usage(disk_dir).free, "disk_margin": cfg.extract.disk_margin,
                     "memory": extract_memory(cfg, sh, extract_dtype, world), "tok_s": extract_rate, "basis": extract_basis,
                     "hours": 0.0 if done["extract"] else total / (extract_rate * world) / 3600, "done": done["extract"]},
