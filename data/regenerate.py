@@ -39,7 +39,7 @@ from train.errors import UserError
 from train.kvcache import join, joinable, kv_cache
 from train.log import log, progress
 from train.losses import full_argmax
-from train.target import last_logits_only
+from train.target import last_logits_only, masks_single_queries
 
 CAP_MARGIN = 16  # answer tokens generated past data.max_length (answer_room)
 
@@ -102,6 +102,7 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
         return model(ids, use_cache=True, logits_to_keep=last_logits_only(ids), output_hidden_states=layers or None,
                      **kwargs)
 
+    four_d = masks_single_queries(model)   # decode steps' mask as 4D: kept on the CPU's faster kernel
     jobs: list[Hashable] = []  # the job of each batch row
     cache = mask = positions = logits = None
     room = max_new_tokens + 16  # KV positions past the prompts: the answer + the template's tail
@@ -176,7 +177,8 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
         tokens = torch.tensor([feed[j] for j in keep], device=device)
         mask = torch.cat([mask, mask.new_ones(len(jobs), 1)], -1)
         positions = positions + 1
-        out = run(tokens[:, None], attention_mask=mask, position_ids=positions, cache=cache)
+        out = run(tokens[:, None], attention_mask=mask[:, None, None].bool() if four_d else mask,
+                  position_ids=positions, cache=cache)
         logits = out.logits[:, -1]
         _keep(kept, jobs, out, layers, [1] * len(jobs))
 

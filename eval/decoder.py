@@ -23,7 +23,7 @@ from eval.sampling import Sampling, accept
 from eval.tree import DraftTree
 from train.errors import ConfigError
 from train.kvcache import kv_cache
-from train.target import last_logits_only
+from train.target import last_logits_only, masks_single_queries
 
 # Bumped when a change to the decoder changes its timings: cached plain / n-gram records and verify times
 # (eval.shared) measured by another version are not reused.
@@ -72,15 +72,7 @@ class SpecDecoder:
                               f"attn_implementation to be sdpa or eager, not {impl!r} (flash attention reads it as "
                               "padding, flex attention adds it to the scores: not lossless)")
         self.eager = impl == "eager"
-        # The root alone (plain decoding) on the CPU attends under an all-ones mask: transformers (>= 5.24) then
-        # packs a single query's grouped heads into [kv heads, group, dim], where SDPA's grouped-query kernel
-        # without a mask took 4x as long in bf16 (SmolLM2: 0.21 against 0.05 ms a layer at 350 positions; a
-        # plain step 39 -> 36 ms). On CUDA the unmasked flash kernel reads grouped heads itself; without grouped
-        # heads there is nothing to pack; a sliding-window layer attends fewer keys than the mask would name.
-        config = target.config
-        grouped = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) < config.num_attention_heads
-        full = all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ["full_attention"])
-        self.mask_root = self.device.type == "cpu" and not self.eager and grouped and full
+        self.mask_root = masks_single_queries(target)   # the root alone (plain decoding): the faster kernel
         if self.device.type == "cuda":
             # PyTorch picks cuDNN attention first on Hopper/Blackwell (cuDNN > 9.15), which builds a plan for each
             # new key length: every decode step, verify and draft step would pay one (~20-40 ms), timed as decoding.

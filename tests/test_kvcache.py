@@ -143,6 +143,35 @@ def test_sliding_window_targets_fall_back_to_static_batches(monkeypatch):
         assert (got[j].tokens, got[j].hit_eos) == (alone.tokens, alone.hit_eos)
 
 
+def test_decode_steps_of_an_unpadded_batch_keep_their_mask_on_the_cpu(cfg_factory, monkeypatch):
+    """Rows of one length (no padding): transformers drops a 2D all-ones mask, so SDPA took its grouped-query
+    kernel (4x slower a layer on the CPU); the decode steps pass their mask as 4D, each layer's single query
+    packed onto the KV heads. Answers and kept states equal the 2D mask's."""
+    target = load_target(cfg_factory("model=tiny-llama", "dtype=float32"))
+    config = target.config
+    assert config.num_key_value_heads < config.num_attention_heads and data.regenerate.masks_single_queries(target)
+    prompts, sdpa, calls = [[5, 6, 7], [8, 9, 10], [11, 12, 13]], torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(query, key, value, attn_mask=None, **kwargs):
+        if key.shape[-2] > 3:   # a decode step (past the prompts' 3 positions)
+            calls.append((attn_mask is not None, kwargs.get("enable_gqa", False)))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    def run() -> list:
+        return generate(target, prompts, 6, set(), 0, layers=[1, 2], tail=lambda row, tokens: [1])
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    masked = run()
+    assert calls and all(c == (True, False) for c in calls), set(calls)
+    calls.clear()
+    monkeypatch.setattr(data.regenerate, "masks_single_queries", lambda model: False)
+    unmasked = run()
+    assert calls and all(c == (False, True) for c in calls), set(calls)   # what the 4D mask avoids
+    for a, b in zip(masked, unmasked, strict=True):
+        assert a.tokens == b.tokens and len(a.tokens) == 6
+        torch.testing.assert_close(a.states, b.states, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_last_logits_only_multiplies_the_lm_head_once(tied):
     """A prefill of several rows through ``last_logits_only``: the last position's logits, from one GEMM with the

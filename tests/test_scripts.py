@@ -58,7 +58,7 @@ def source(tmp_path_factory):
 def test_every_script_has_a_smoke_test():
     """A new script gets a test here (or a reason not to)."""
     covered = {"_bench.py", "compare_heads.py", "bench_batching.py", "bench_data.py", "bench_decode.py", "bench_extract.py", "bench_gpu_scale.py",
-               "bench_levers.py", "bench_synth.py", "bench_train.py", "bench_ttt_attention.py", "gpu_check.sh", "learning_curve.py",
+               "bench_levers.py", "bench_regen_mask.py", "bench_synth.py", "bench_train.py", "bench_ttt_attention.py", "gpu_check.sh", "learning_curve.py",
                "setup_env.sh", "setup_vllm_env.sh", "vllm_check.py"}   # vllm_check.py: tests/test_vllm_check.py
     assert {p.name for p in SCRIPTS.iterdir() if p.is_file()} <= covered
 
@@ -66,6 +66,13 @@ def test_every_script_has_a_smoke_test():
 @pytest.mark.parametrize("name", ["gpu_check.sh", "setup_env.sh", "setup_vllm_env.sh"])
 def test_shell_scripts_parse(name):
     assert subprocess.run(["bash", "-n", str(SCRIPTS / name)], capture_output=True).returncode == 0
+
+
+def test_bench_regen_mask_on_a_tiny_twin():
+    """Both masks run the real scheduler; in float32 they give the same greedy answers."""
+    out = run_script("bench_regen_mask.py", "--rows", "3", "--prompt", "8", "--new", "4", "--rounds", "2",
+                     "model=tiny-llama", "dtype=float32")
+    assert out.count("round ") == 2 and "3 rows x 8 tokens, 4 new" in out and "answers identical 3/3" in out, out
 
 
 def test_bench_ttt_attention():
