@@ -357,7 +357,7 @@ def test_cards_leave_out_measurements_of_an_earlier_head(cfg_factory):
 @pytest.mark.parametrize("thinking,flag", [(None, None), (False, "false"), (True, "true")])
 def test_serve_commands_render_the_template_as_trained(cfg_factory, thinking, flag):
     """A Qwen3 head trained with data.thinking=false, served with the template's default (thinking on), drafts for
-    answers it never saw: vLLM's commands pass the setting."""
+    answers it never saw: vLLM's commands pass the setting, SGLang's name it for each request."""
     cfg = cfg_factory("model=tiny-qwen2", f"data.thinking={'null' if thinking is None else thinking}")
     for fmt in ("vllm", "speculators"):
         command = serve_commands(fmt, "someone/x", cfg)
@@ -366,6 +366,9 @@ def test_serve_commands_render_the_template_as_trained(cfg_factory, thinking, fl
         else:
             wanted = f"--default-chat-template-kwargs '{{\"enable_thinking\": {flag}}}'"
             assert command.count(wanted) == command.count("vllm serve") > 0
+    sglang = serve_commands("sglang", "someone/x", cfg)   # no server-wide default there: each request carries it
+    assert ("chat_template_kwargs" in sglang) is (flag is not None)
+    assert flag is None or f'"chat_template_kwargs": {{"enable_thinking": {flag}}}' in sglang
 
 
 def test_card_headline_is_this_heads_own_lossless_method():

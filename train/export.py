@@ -273,14 +273,18 @@ def import_export(path: str | Path, fmt: str, target) -> torch.nn.Module:
 def serve_commands(fmt: str, path: str, cfg: DictConfig) -> str:
     """Serve commands for the export at ``path`` (its Hub repo id in model cards), target by Hub id; vLLM's render
     the chat template as training did when ``data.thinking`` was set (a Qwen3 head trained without thinking,
-    served with the template's default, drafts for answers it never saw)."""
+    served with the template's default, drafts for answers it never saw); SGLang's, whose server takes no such
+    default, name the field each request carries."""
     target = target_name(cfg)
     k = cfg.head.num_heads if fmt == "medusa" else cfg.export.num_speculative_tokens
+    thinking = cfg.data.get("thinking")
     if fmt == "sglang":
+        request = ("" if thinking is None else
+                   f"\n# each chat request: \"chat_template_kwargs\": {json.dumps({'enable_thinking': bool(thinking)})} "
+                   f"(trained with data.thinking={str(bool(thinking)).lower()})")
         return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
                 f"--speculative-draft-model-path {path} --speculative-num-steps {k} --speculative-eagle-topk 1 "
-                f"--speculative-num-draft-tokens {k + 1}")
-    thinking = cfg.data.get("thinking")
+                f"--speculative-num-draft-tokens {k + 1}{request}")
     template = ("" if thinking is None else
                 f" --default-chat-template-kwargs '{json.dumps({'enable_thinking': bool(thinking)})}'")
     method = "medusa" if fmt == "medusa" else "eagle3"  # medusa: vLLM builds num_speculative_tokens heads
