@@ -310,8 +310,8 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
 
     layers = list(capture.layers) if capture else []  # emptied once the disk is short: no states computed after
 
-    def flush() -> None:
-        _flush(f, lines, capture, captured, fulls, lm_head)
+    def flush(states: bool = True) -> None:
+        _flush(f, lines, capture if states else None, captured, fulls, lm_head)
         if capture is not None and capture.full:
             layers.clear()
 
@@ -351,13 +351,15 @@ class RegenMemoryError(UserError):
 
 
 @contextmanager
-def _on_out_of_memory(batch_size: int, path: Path, flush: Callable[[], None]) -> Iterator[None]:
-    """Out of device memory while regenerating: the answers finished so far are written (``flush``), then
-    one line says what to lower; a rerun continues from the cache."""
+def _on_out_of_memory(batch_size: int, path: Path, flush: Callable[[bool], None]) -> Iterator[None]:
+    """Out of device memory while regenerating: the answers finished so far are written (``flush(False)``:
+    without their kept states, whose lm_head argmax would allocate again while the failed step's tensors are
+    still held by the traceback; extract computes those rows), then one line says what to lower; a rerun
+    continues from the cache."""
     try:
         yield
     except torch.OutOfMemoryError as e:
-        flush()
+        flush(False)
         raise RegenMemoryError(
             f"out of device memory regenerating {batch_size} rows at once (the KV cache grows with rows x "
             f"(prompt + data.regen.max_new_tokens)): lower data.regen.batch_size, e.g. "

@@ -9,6 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import data.regenerate
+from data.captured import CaptureWriter
 from data.formats import DataError, read_source, to_messages, unpack_ids
 from data.regenerate import RegenMemoryError, add_answer, assistant_message, read_cache, regenerate
 from data.template import check_template, tokenize_conversation, with_system
@@ -296,6 +298,39 @@ def test_out_of_memory_while_regenerating_names_the_fix_and_keeps_the_answers(ti
     rerun = regenerate(convs, model, tok, rcfg, None, path)
     assert 0 < rerun["new_tokens"] < full["new_tokens"]
     assert read_cache(path) == reference
+
+
+def test_out_of_memory_while_keeping_states_still_names_the_fix(tiny_llama_cfg, tmp_path, monkeypatch):
+    """States kept while regenerating (extract.source=regen): on a GPU the failed step's tensors are still held
+    when the handler writes what finished, so writing their states (an lm_head argmax over them) would run out of
+    memory again and lose both the one-line error and the answers. The answers are written without their states
+    (extract computes those rows)."""
+    model, tok = load_target(tiny_llama_cfg), load_tokenizer(tiny_llama_cfg)
+    rcfg = tiny_llama_cfg.data.regen.copy()
+    rcfg.max_new_tokens, rcfg.batch_size = 12, 5   # more than the lines before the error: none written yet
+    convs = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(3)]
+    convs.append({"messages": [{"role": "user", "content": "question 3"}, {"role": "user", "content": "and then?"}]})
+    forward, argmax, calls = model.forward, data.regenerate.full_argmax, []
+
+    def short_of_memory(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 20:  # the single turns answered and their states kept, the last conversation decoding
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(*args, **kwargs)
+
+    def argmax_short_of_memory(*args):
+        if len(calls) >= 20:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 300.00 MiB")
+        return argmax(*args)
+
+    monkeypatch.setattr(model, "forward", short_of_memory)
+    monkeypatch.setattr(data.regenerate, "full_argmax", argmax_short_of_memory)
+    capture = CaptureWriter(tmp_path / "captured", [1, 2], "float32", "tiny", keep_free=0)
+    with pytest.raises(RegenMemoryError, match=r"lower data.regen.batch_size"):
+        regenerate(convs, model, tok, rcfg, None, tmp_path / "oom.jsonl", capture)
+    kept = read_cache(tmp_path / "oom.jsonl")
+    assert len(kept) == 4 and sum(r["complete"] for r in kept.values()) == 3
+    assert capture.rows == 0
 
 
 def test_batched_generation_matches_hf_generate(tiny_qwen2_cfg):
