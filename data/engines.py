@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import concurrent.futures as futures
 import fcntl
-import hashlib
 import http.client
 import json
 import os
@@ -52,6 +51,7 @@ from data.regenerate import (
     pending,
     read_cache,
     regenerate,
+    request_seed,
 )
 from data.template import prompt_ids, with_system
 from train import dist
@@ -471,12 +471,6 @@ class OpenAIClient:
 def _visible(text: str) -> str:
     """``text`` without whitespace and replacement characters (detokenisers differ there, not elsewhere)."""
     return "".join(text.split()).replace("\ufffd", "")
-
-
-def request_seed(seed: int, key: str, turn: int) -> int:
-    """The sampling seed of one answer: the run's seed, the conversation and the turn (a retry or a resumed run
-    asks again with the same seed; different answers never share one)."""
-    return int.from_bytes(hashlib.sha256(f"{seed}-{key}-{turn}".encode()).digest()[:7], "little")
 
 
 def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | None, path: Path,

@@ -34,7 +34,6 @@ from data.captured import CaptureWriter
 from data.formats import appending, iter_jsonl, pack_ids, prompt_key, rewrite_jsonl
 from data.template import as_generated, conversation_ids, prompt_ids, with_system
 from eval.sampling import warp
-from train import dist
 from train.errors import UserError
 from train.kvcache import join, joinable, kv_cache
 from train.log import log, progress
@@ -183,6 +182,12 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
         _keep(kept, jobs, out, layers, [1] * len(jobs))
 
 
+def request_seed(seed: int, key: str, turn: int) -> int:
+    """The sampling seed of one answer: the run's seed, the conversation and the turn (a retry or a resumed run
+    asks again with the same seed; different answers never share one)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}-{key}-{turn}".encode()).digest()[:7], "little")
+
+
 def refill_rows(rcfg) -> int:
     """Free rows that let new prompts join a running batch (``data.regen.refill``: a share of ``batch_size``)."""
     return max(1, round(rcfg.refill * rcfg.batch_size))
@@ -292,8 +297,13 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
     if not isinstance(model, torch.nn.Module):  # a loader (data.engines.LocalTarget): called only when needed
         model = model()
     eos = eos_ids(tokenizer, model.generation_config)
-    # Each rank its own stream (sampled answers: row k of every rank's batch drew the same numbers).
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(rcfg.seed + 7919 * dist.rank())
+    # Sampled answers: each its own CPU generator, seeded by (seed, conversation, turn) as the server backends seed
+    # their requests, so an answer does not depend on the rank, the batch or the rerun that generates it.
+    generators: dict[str, torch.Generator] = {}
+
+    def seeded(key: str) -> None:
+        if rcfg.temperature > 0:
+            generators[key] = torch.Generator().manual_seed(request_seed(rcfg.seed, key, _answered(state[key])))
     lm_head = model.get_output_embeddings().weight if capture else None
     total_turns = sum(len(r["users"]) - _answered(r) for r in state.values())
     refill = refill_rows(rcfg)
@@ -305,6 +315,8 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
     prompts = {key: _next_prompt(tokenizer, r) for key, r in state.items()}  # key -> its next turn's prompt ids
     lines = [cache_line(state[key]) for key in prompts if cut_at_length(state[key], prompts[key], max_length)]
     queue = deque(sorted(((k, p) for k, p in prompts.items() if not state[k]["complete"]), key=lambda item: len(item[1])))
+    for key, _ in queue:
+        seeded(key)
     fulls: dict[str, list[int]] = {}  # key -> the rendered conversation's ids (captured rows)
     captured: list[tuple[str, Answer]] = []
 
@@ -317,10 +329,11 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
 
     with appending(path) as f, _on_out_of_memory(rcfg.batch_size, path, flush):
         for finished in stream(model, queue, rcfg.batch_size, refill, rcfg.max_new_tokens, eos, tokenizer.pad_token_id,
-                               rcfg.temperature, rcfg.top_p, generator, layers,
+                               rcfg.temperature, rcfg.top_p, generators.__getitem__ if rcfg.temperature > 0 else None, layers,
                                partial(_template_tail, tokenizer, state, prompts, fulls), max_length):
             for key, a in finished:
                 r = state[key]
+                generators.pop(key, None)
                 add_answer(r, assistant_message(tokenizer, a.tokens), len(a.tokens), a.hit_eos, len(prompts[key]),
                            rcfg.max_new_tokens, max_length)
                 stats["new_tokens"] += len(a.tokens)
@@ -330,6 +343,7 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
                     prompts[key] = _next_prompt(tokenizer, r)
                     if not cut_at_length(r, prompts[key], max_length):
                         queue.append((key, prompts[key]))
+                        seeded(key)
                 lines.append(cache_line(r))
             if len(lines) >= rcfg.batch_size:
                 flush()

@@ -51,7 +51,7 @@ import torch
 from filelock import FileLock
 
 from data.formats import DataError, appending
-from data.regenerate import Answer, eos_ids, refill_rows, stream
+from data.regenerate import Answer, eos_ids, refill_rows, request_seed, stream
 from data.template import user_turn_prefix
 from train import dist
 from train.log import log, progress
@@ -251,8 +251,6 @@ class TargetWriter:
         self.asked, self.done, self.generators = {}, {}, {}
 
     def __call__(self, jobs: Jobs, tokenizer, eos: set[int], s: dict) -> Iterator[tuple[int, list[dict]]]:
-        from data.engines import request_seed
-
         model = self.target()
         for b, prompts in jobs:
             if b not in self.asked:
@@ -310,8 +308,6 @@ class ServerWriter:
     def __call__(self, jobs: Jobs, tokenizer, eos: set[int], s: dict) -> Iterator[tuple[int, list[dict]]]:
         """Asks for the batches of ``jobs`` not asked yet; yields the first once answered, then every other batch
         asked and already answered (one no longer in ``jobs`` too: its answers are kept)."""
-        from data.engines import request_seed
-
         client = self.client
         if self.pool is None:
             client.resolve_model()  # from this thread (a vLLM server starts here); an unreachable server fails here

@@ -245,24 +245,6 @@ def test_regeneration_resumes_after_a_crash(tiny_llama_cfg, tmp_path):
     assert read_cache(crashed) == reference
 
 
-def test_sampled_regeneration_draws_a_stream_per_rank(tiny_llama_cfg, tmp_path, monkeypatch):
-    """At temperature > 0 every rank seeded its sampler alike: row k of each rank's batch drew the same numbers.
-    Rank 0 samples as one process does; another rank, the same conversations otherwise."""
-    model, tok = load_target(tiny_llama_cfg), load_tokenizer(tiny_llama_cfg)
-    rcfg = tiny_llama_cfg.data.regen.copy()
-    rcfg.max_new_tokens, rcfg.batch_size, rcfg.temperature, rcfg.top_p = 12, 4, 1.0, 1.0
-    convs = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(4)]
-    answers = {}
-    for rank in ("0", "1", None):
-        if rank is None:
-            monkeypatch.delenv("RANK")
-        else:
-            monkeypatch.setenv("RANK", rank)
-        regenerate(convs, model, tok, rcfg, None, tmp_path / f"{rank}.jsonl")
-        answers[rank] = {k: r["messages"] for k, r in read_cache(tmp_path / f"{rank}.jsonl").items()}
-    assert answers["0"] == answers[None] and answers["1"] != answers["0"]
-
-
 def as_text(messages: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if k != "token_ids"} for m in messages]
 
@@ -331,6 +313,33 @@ def test_out_of_memory_while_keeping_states_still_names_the_fix(tiny_llama_cfg, 
     kept = read_cache(tmp_path / "oom.jsonl")
     assert len(kept) == 4 and sum(r["complete"] for r in kept.values()) == 3
     assert capture.rows == 0
+
+
+def test_sampled_answers_do_not_depend_on_their_batch_or_rank(tiny_llama_cfg, tmp_path, monkeypatch):
+    """At temperature > 0 each answer draws from its own generator, seeded by (seed, conversation, turn) as the
+    server backends seed their requests: the same answers whether conversations decode 4 at a time or alone, on
+    rank 0 or another (once every rank seeded one sampler alike: row k of each rank's batch drew the same numbers;
+    then one per rank: an answer depended on where it ran); conversations that differ draw differently, and another
+    seed gives other answers."""
+    model, tok = load_target(tiny_llama_cfg), load_tokenizer(tiny_llama_cfg)
+    rcfg = tiny_llama_cfg.data.regen.copy()
+    rcfg.max_new_tokens, rcfg.temperature = 10, 1.0
+    convs = [{"messages": [{"role": "user", "content": f"question {i}" * (i + 1)}, {"role": "user", "content": "more"}]}
+             for i in range(4)]
+
+    def answers(batch_size: int, seed: int) -> dict:
+        rcfg.batch_size, rcfg.seed = batch_size, seed
+        path = tmp_path / f"{batch_size}-{seed}.jsonl"
+        regenerate(convs, model, tok, rcfg, None, path)
+        return {k: as_text(r["messages"]) for k, r in read_cache(path).items()}
+
+    together = answers(4, 0)
+    assert answers(1, 0) == together
+    assert answers(4, 1) != together
+    monkeypatch.setenv("RANK", "1")
+    assert answers(2, 0) == together
+    firsts = [m[1]["content"] for m in together.values()]
+    assert len(set(firsts)) == len(firsts)
 
 
 def test_batched_generation_matches_hf_generate(tiny_qwen2_cfg):
