@@ -150,6 +150,10 @@ def test_changed_result_key_refuses_and_force_starts_over(prepared, tmp_path, mo
     with pytest.raises(UserError, match=r"head\.ttt_decay, train\.lr changed.*force=\[train\]") as err:
         run_stages(changed)
     assert isinstance(err.value, train.loop.CheckpointMismatchError)
+    # the precision the run computes in (top-level dtype, not a train.* key): another DeepSpeed optimizer and shards
+    other_dtype = make_cfg([*BASE, f"output_root={tmp_path}", "stages=[train]", "dtype=bfloat16"])
+    with pytest.raises(train.loop.CheckpointMismatchError, match=r"dtype \(float32 in the checkpoint, bfloat16 now\)"):
+        run_stages(other_dtype)
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == tags  # nothing deleted
     lines = logged(monkeypatch)
     changed.force = ["train"]

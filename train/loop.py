@@ -591,6 +591,9 @@ class Trainer:
             return
         tag, client = self.latest
         changed = checkpoint_changes(client, self.identity)
+        made_in, now = client.get("dtype"), str(self.dtype).removeprefix("torch.")
+        if made_in not in (None, now):  # DeepSpeed's optimizer and its shards differ (bf16: its BF16 optimizer)
+            changed.append(f"dtype ({made_in} in the checkpoint, {now} now)")
         if checkpoint_per_step(client) == self.per_step:  # another split of the same step (fit_to_checkpoint)
             changed = [k for k in changed if k != "train.grad_accum"]
         blocking = [k for k in changed if k not in RESUMABLE["train"]]
@@ -799,7 +802,7 @@ class Trainer:
             (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
             (ckpt_dir / tag / "client.json").write_text(json.dumps({
                 "fingerprint": self.fingerprint, "world": self.world, "per_step": self.per_step, "step": state["step"],
-                "identity": self.identity}))
+                "identity": self.identity, "dtype": str(self.dtype).removeprefix("torch.")}))
         state["train_s"] = time.time() - self.start
         client = {"state": state, "rng": dist.all_gather_objects(rng_state()),  # saved by rank 0 only: every rank's
                   "average": self.average.shadow if self.average else None}
