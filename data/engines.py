@@ -217,17 +217,18 @@ def shares(convs: list[dict], system_prompt: str | None, world: int) -> list[lis
 def fold_parts(path: Path) -> int:
     """Merge the part files an interrupted sharded run left next to the cache ``path`` (any rank count) into it
     and delete them: a rerun on another number of ranks, in one process or with another backend resumes from
-    every answer already written. A key already complete in the cache keeps its line. Returns the lines added."""
+    every answer already written. A part's row supersedes the cache's (parts start from the cache, folded in at
+    every start, so they are never behind it: a row the cache holds complete, cut at a smaller ``data.max_length``,
+    is continued in a part by a run with a larger one). Returns the lines added."""
     parts = sorted(path.parent.glob(f"{path.stem}.rank*of*.jsonl"))
     if not parts:
         return 0
-    cached, added = read_cache(path), 0
+    added = 0
     with appending(path) as f:
         for part in parts:
-            for key, row in read_cache(part).items():
-                if not cached.get(key, {}).get("complete"):
-                    f.write(cache_line(row))
-                    cached[key], added = row, added + 1
+            for row in read_cache(part).values():
+                f.write(cache_line(row))
+                added += 1
         f.flush()
         os.fsync(f.fileno())
     for part in parts:

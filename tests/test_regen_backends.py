@@ -648,6 +648,24 @@ def test_answers_appended_after_a_torn_line_are_kept(tmp_path):
     assert read_cache(path).keys() == {"k0", "k1", "k2"}
 
 
+def test_a_part_continuing_a_row_cut_at_length_is_kept(tmp_path):
+    """A row the cache holds complete, cut where its next prompt reached a smaller data.max_length, is continued
+    by a sharded run with a larger one, which crashes: the rerun's fold keeps the part's answers (it once kept
+    the cache's line, and the answers were generated again)."""
+    from data.engines import fold_parts
+    from data.regenerate import cache_line
+
+    turn = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    cut = {"key": "k", "messages": turn, "new_tokens": 1, "truncated": False, "complete": True, "cut_at_length": 64}
+    continued = {**cut, "messages": turn * 2, "new_tokens": 2, "complete": False}
+    continued.pop("cut_at_length")
+    path = tmp_path / "cache.jsonl"
+    path.write_text(cache_line(cut))
+    (tmp_path / "cache.rank1of2.jsonl").write_text(cache_line(continued))
+    assert fold_parts(path) == 1
+    assert read_cache(path)["k"]["messages"] == turn * 2 and not list(tmp_path.glob("cache.rank*"))
+
+
 def test_rank0_waiting_for_a_working_rank_shows_progress(tmp_path, monkeypatch):
     """Ranks done with their share wait for the stage's marker watching rank 0's progress bars; rank 0, done with
     its own and waiting for a slower rank, moved none, so after hang_minutes the waiting ranks stopped a run whose
