@@ -51,6 +51,7 @@ from train.target import (
     load_target,
     load_tokenizer,
     resolve_device,
+    resolve_dtype,
     target_fingerprint,
     tokenizer_fingerprint,
 )
@@ -187,7 +188,8 @@ def _loaded_target(cfg: DictConfig, device: torch.device):
     from transformers.integrations import HfDeepSpeedConfig
 
     dist.init(device, single=True, timeout_minutes=cfg.dist_timeout_minutes)  # DeepSpeed needs a group, even for one rank
-    dtype = getattr(torch, cfg.extract.dtype) if device.type == "cuda" else torch.float32
+    dtype = resolve_dtype(cfg.dtype, device)   # as without ZeRO-3: a resumed extraction with zero_stage changed
+                                               # (a "how" key) never mixes states computed at two precisions
     ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
                  "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16}}
     partitioned = HfDeepSpeedConfig(ds_config)  # transformers partitions what it loads while this object lives

@@ -485,7 +485,6 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
     train_basis = "planner.train_tok_s" if pc.train_tok_s else f"planner.{kind}.train_tflops / {train_flops / 1e9:.2f} GFLOP/token"
     trained = tc.max_steps * world * tc.grad_accum * tc.micro_batch_tokens if tc.max_steps else tc.epochs * min(tokens["train"], tc.data_tokens or tokens["train"])
     train_h = trained / (train_rate * world) / 3600
-    extract_dtype = getattr(torch, cfg.extract.dtype) if cfg.extract.zero_stage == 3 and device.type == "cuda" else dtype
     # A training checkpoint: the trainable weights in the run's dtype, DeepSpeed's fp32 master copy when that is not
     # fp32, Adam's two fp32 moments, train.ema's fp32 average (the frozen weights are not saved); the rotation keeps
     # train.keep_checkpoints and writes the next before deleting the oldest.
@@ -501,7 +500,7 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
                     # states kept while regenerating sit beside the shards until extract has copied them all
                     "disk_peak": total * per_token * (2 if copies_states(cfg) else 1),
                     "disk_free": shutil.disk_usage(disk_dir).free, "disk_margin": cfg.extract.disk_margin,
-                    "memory": extract_memory(cfg, sh, extract_dtype, world), "tok_s": extract_rate, "basis": extract_basis,
+                    "memory": extract_memory(cfg, sh, dtype, world), "tok_s": extract_rate, "basis": extract_basis,
                     "hours": 0.0 if done["extract"] else total / (extract_rate * world) / 3600, "done": done["extract"]},
         "train": {"memory": train_memory(cfg, sh, dtype, world), "tok_s": train_rate, "tokens": trained,
                   "checkpoints": checkpoints, "checkpoint_bytes": checkpoint, "disk_bytes": checkpoint * checkpoints,
