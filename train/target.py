@@ -273,7 +273,8 @@ def masks_single_queries(model) -> bool:
     config = model.config
     grouped = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) < config.num_attention_heads
     full = all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ["full_attention"])
-    return model.device.type == "cpu" and config._attn_implementation == "sdpa" and grouped and full
+    device = next(model.parameters()).device   # not model.device: any module with a config (stand-ins too)
+    return device.type == "cpu" and config._attn_implementation == "sdpa" and grouped and full
 
 
 def last_logits_only(ids: torch.Tensor) -> int | torch.Tensor:
