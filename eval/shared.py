@@ -42,11 +42,13 @@ T = TypeVar("T")
 
 
 def machine(target) -> dict:
-    """What timings depend on besides the target's weights: the platform, CPUs, torch threads (as set now),
-    device, dtype and the torch / transformers versions."""
+    """What timings depend on besides the target's weights: the platform, CPUs, torch threads (as set now; on
+    the CPU only: a GPU's timings do not follow them, and an eval after training inherits the threads training
+    set per rank, which a rerun of eval alone does not), device, dtype and the torch / transformers versions."""
     weight = next(target.parameters())
+    threads = torch.get_num_threads() if weight.device.type == "cpu" else None
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "device": str(weight.device),
+            "cpus": os.cpu_count(), "threads": threads, "device": str(weight.device),
             "gpu": torch.cuda.get_device_name(weight.device) if weight.device.type == "cuda" else None,
             "dtype": str(weight.dtype), "torch": torch.__version__, "transformers": transformers.__version__}
 
@@ -64,7 +66,8 @@ def baseline_settings(cfg: DictConfig) -> dict:
             "system_prompt": cfg.data.system_prompt, "thinking": cfg.data.get("thinking"), "version": 1}
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """``path`` holds the old text or ``text``, never a torn mix (a crash, a full disk)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
@@ -95,7 +98,7 @@ class JsonCache:
         """Store ``value`` (atomically); returns it as read back (JSON: dict keys become strings)."""
         text = json.dumps({"key": {**self.identity, **key}, "value": value}, default=str)
         if self.dir is not None:
-            _write_atomic(self._path(key), text)
+            write_atomic(self._path(key), text)
         return json.loads(text)["value"]
 
     def get_or(self, key: dict, make: Callable[[], T]) -> T:
@@ -117,7 +120,7 @@ class Baselines:
         name = f"baselines-{digest(key)}"
         self.path = Path(directory) / f"{name}.jsonl"
         if not (Path(directory) / f"{name}.key.json").exists():
-            _write_atomic(Path(directory) / f"{name}.key.json", json.dumps(key, indent=2, default=str))
+            write_atomic(Path(directory) / f"{name}.key.json", json.dumps(key, indent=2, default=str))
         self.found = {} if fresh else {r["key"]: r for r in read_jsonl(self.path) if "key" in r}
 
     def find(self, turns: list[str], methods: Iterable[str], temperature: float, seed: int) -> dict[str, dict]:

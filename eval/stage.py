@@ -46,6 +46,7 @@ from eval.shared import (
     baseline_summary,
     digest,
     target_identity,
+    write_atomic,
 )
 from eval.tree import choice_order, default_medusa_choices
 from eval.treesize import acceptance_curve, choose_total_tokens, draft_times, measure_verify_time
@@ -353,7 +354,10 @@ class Records:
 
     def __init__(self, out: Path, fp: str, methods: list[str], fresh: bool):
         self.path, self.meta = out / "records.jsonl", out / "progress.json"
-        meta = json.loads(self.meta.read_text()) if self.meta.exists() and not fresh else {}
+        try:
+            meta = json.loads(self.meta.read_text()) if self.meta.exists() and not fresh else {}
+        except ValueError:   # torn (written atomically since; a full disk): nothing kept
+            meta = {}
         self.done: dict[tuple, dict] = {}
         self.tree = None
         if meta.get("fingerprint") == fp and self.path.exists():
@@ -366,12 +370,12 @@ class Records:
                 if {r["method"] for r in group} == set(methods):
                     self.done.update((record_key(r), r) for r in group)
         rewrite_jsonl(self.path, self.done.values())  # only the complete prompts stay in the file
-        self.meta.write_text(json.dumps({"fingerprint": fp, "tree": self.tree}))
+        write_atomic(self.meta, json.dumps({"fingerprint": fp, "tree": self.tree}))
         self.fp = fp
 
     def keep_tree(self, tree: dict) -> None:
         self.tree = tree
-        self.meta.write_text(json.dumps({"fingerprint": self.fp, "tree": tree}))
+        write_atomic(self.meta, json.dumps({"fingerprint": self.fp, "tree": tree}))
 
     def add(self, records: list[dict]) -> None:
         with open(self.path, "a") as f:
@@ -510,7 +514,8 @@ def run(cfg: DictConfig) -> dict:
                               else cfg.eval.methods, kind)
     identity = target_identity(target_fingerprint(cfg), decoder.eos, target)
     # Records timed on another machine or by another decoder version are not mixed with this run's.
-    store = Records(out, digest([fingerprint(cfg, "eval"), identity]), methods, fresh)
+    # (eval.min_speedup changes the recommendation only: the decodes are kept)
+    store = Records(out, digest([fingerprint(cfg, "eval", ignore=("eval.min_speedup",)), identity]), methods, fresh)
     baselines = (Baselines(shared_dir, {**identity, **baseline_settings(cfg)}, fresh) if cfg.eval.share_baselines
                  else None)
     if store.tree is not None:

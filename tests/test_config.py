@@ -119,8 +119,8 @@ def _cfg_with(key: str, value):
         outer, inner = key.split("[].", 1)
         source = {"path": "mine.jsonl", inner: value} if inner != "type" else {"type": value}
         OmegaConf.update(cfg, outer, [source], merge=False)
-    else:
-        OmegaConf.update(cfg, key, value, merge=False)
+    else:   # a list key gets the value as its one element (a bare value is refused as not a list: LISTS)
+        OmegaConf.update(cfg, key, [value] if OmegaConf.is_list(OmegaConf.select(cfg, key)) else value, merge=False)
     return cfg
 
 
@@ -151,6 +151,11 @@ def test_every_sized_key_rejects_a_non_number(key):
     ("device=cuda:x", "device='cuda:x' is not valid"),
     ("export.formats=[medusa]", "export.formats='medusa' is not valid; valid values: auto, vllm, speculators, sglang"),
     ("data.sources=[{pth:x.jsonl}]", "data.sources[0] has unknown key(s) ['pth']"),
+    ("force=eval", "force='eval' must be a list, e.g. force=[eval]"),
+    ("stages=publish", "stages='publish' must be a list, e.g. stages=[publish]"),
+    ("eval.temperatures=0.7", "eval.temperatures=0.7 must be a list, e.g. eval.temperatures=[0.7]"),
+    ("eval.datasets=humaneval", "eval.datasets='humaneval' must be a list"),
+    ("head.type=medusa", "head.type=medusa over the eagle3 head's settings: choose the head with head=medusa"),
 ])
 def test_ranges_and_head_dependent_values(override, message):
     found = problems(make_cfg(["model=tiny-llama", override]))

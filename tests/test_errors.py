@@ -70,6 +70,18 @@ def test_user_errors_share_one_base_class():
     assert issubclass(MissingStageError, FileNotFoundError) and issubclass(DataError, ValueError)
 
 
+def test_a_target_that_cannot_be_loaded_is_one_line(tmp_path):
+    """A Hub id not in the cache offline, a gated model, a wrong model.path: one line naming the fixes, not a
+    traceback (it stays an OSError, as from_pretrained raises)."""
+    from train.errors import TargetError
+    from train.target import load_tokenizer
+
+    cfg = make_cfg(["model=qwen2.5-7b", f"model.path={tmp_path / 'nowhere'}"])
+    with pytest.raises(TargetError, match=r"could not load target .*nowhere.*model.path") as info:
+        load_tokenizer(cfg)
+    assert isinstance(info.value, UserError) and isinstance(info.value, OSError) and "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("error", [DataError("bad row"), RuntimeError("a bug")])
 def test_in_process_user_error_exits_1_and_bug_propagates(monkeypatch, capsys, error):
     """``main`` called with a config (Hydra passes it through): a user error -> one line + SystemExit(1);

@@ -22,6 +22,7 @@ from eval.prompts import EvalPrompt
 from eval.report import RESULT_KEYS, aggregate, decoder_bugs, markdown, recommend
 from eval.stage import (
     Fp32Scorer,
+    Records,
     classify_divergence,
     converse,
     divergence,
@@ -356,3 +357,14 @@ def test_sampled_records_have_no_divergence_stats_and_bugs_reach_the_markdown():
                    "decoder_bugs": decoder_bugs(greedy)})
     assert "## DECODER BUGS" in md and "**ngram**, 1 of 1 prompts" in md and "| 100.0% |" in md
     assert "**plain decoding**" in md and "torch.bfloat16 (`eval.dtype=auto`, one verify pass at 1, 4, 8 tree tokens" in md and "float32 90 ms, bfloat16 60 ms" in md
+
+
+def test_records_survive_a_torn_progress_file(tmp_path):
+    """progress.json (fingerprint, tree) torn by a full disk: nothing is reused and nothing raises (every rerun
+    stopped on a JSONDecodeError until force=[eval]); it is written whole or not at all."""
+    (tmp_path / "progress.json").write_text('{"fingerprint": "ab')
+    (tmp_path / "records.jsonl").write_text(json.dumps({"id": "p", "method": "plain"}) + "\n")
+    store = Records(tmp_path, "ab", ["plain"], fresh=False)
+    assert store.done == {} and store.tree is None
+    assert json.loads((tmp_path / "progress.json").read_text()) == {"fingerprint": "ab", "tree": None}
+    assert not list(tmp_path.glob("*.tmp"))

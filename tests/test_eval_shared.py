@@ -143,6 +143,24 @@ def test_baseline_keys(tmp_path, tiny_llama_cfg):
     torch.set_num_threads(2)
     assert machine(target)["threads"] == 2 and target_identity("fp", [1, 2], target) != one
     assert one["eos"] == [1, 2] and target_identity("fp2", [1, 2], target)["target"] == "fp2"
+    # off the CPU the threads are not part of it: an eval after training inherits the threads training set per
+    # rank, a rerun of eval alone does not, and a GPU's timings do not follow them (its records were thrown away)
+    off_cpu = torch.nn.Linear(2, 2, device="meta")
+    torch.set_num_threads(1)
+    assert machine(off_cpu)["threads"] is None and machine(target)["threads"] == 1
+
+
+def test_eval_reruns_on_another_precision_or_device(tiny_llama_cfg):
+    """eval.dtype=auto follows the top-level dtype: a report measured in bf16 was kept for a dtype=float32 run
+    (eval "up to date"). Training's result does not change with them (its checkpoints refuse another dtype)."""
+    from omegaconf import OmegaConf
+
+    from train.stages import fingerprint
+
+    base = {s: fingerprint(tiny_llama_cfg, s) for s in ("eval", "train")}
+    for override in ({"dtype": "float32"}, {"device": "cpu"}):
+        other = OmegaConf.merge(tiny_llama_cfg, override)
+        assert fingerprint(other, "eval") != base["eval"] and fingerprint(other, "train") == base["train"], override
 
 
 def test_json_cache(tmp_path):

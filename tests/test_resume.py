@@ -496,6 +496,11 @@ def test_eval_resumes_from_its_records(tmp_path, monkeypatch):
     keys = [(json.loads(r)["id"], json.loads(r)["method"], json.loads(r)["temperature"]) for r in again]
     assert len(set(keys)) == 16
 
+    # eval.min_speedup changes the recommendation only: the stage reruns, every decode kept.
+    calls.clear()
+    run_stages(make_cfg([*overrides, "eval.min_speedup=1.5"], tmp_path))
+    assert calls == [] and len(sized) == 1
+
     # Crashed again, then resumed by another decoder version: its timings are not mixed with the kept ones.
     (out / "records.jsonl").write_text("\n".join(records[:5]) + "\n")
     for name in (stages.MARKER, "report.json"):

@@ -104,6 +104,9 @@ NUMBERS = {
     **dict.fromkeys(["data.validation_fraction", "head.dropout", "train.ema"], ("num", lambda v: 0 <= v < 1, "in [0, 1)", ())),
     "head.layer_init": ("int", lambda v: True, "(a target layer index, negative from the last)", (None,)),
 }
+# Keys that take a list: a single value (``force=eval``) reaches the config as a string or a number, which the
+# stages would iterate character by character or fail on after hours of work.
+LISTS = ("stages", "force", "data.exclude_eval", "eval.datasets", "eval.tree.sizes", "eval.temperatures")
 _ABSENT = object()
 
 
@@ -153,6 +156,14 @@ def problems(cfg: DictConfig) -> list[str]:
                 if not (v in extra and not isinstance(v, bool)) and not _number_ok(v, kind, test):
                     also = "".join(f" or {'null' if e is None else e}" for e in extra)
                     out.append(f"{name}={v!r} must be {'an integer' if kind == 'int' else 'a number'} {what}{also}")
+    for key in LISTS:
+        for name, value in _values(cfg, key):
+            if value is not None and not OmegaConf.is_list(value):
+                out.append(f"{name}={value!r} must be a list, e.g. {name}=[{value}]")
+    head_name, head_type = OmegaConf.select(cfg, "head.name"), OmegaConf.select(cfg, "head.type")
+    if head_name and head_type in ENUMS["head.type"] and head_name != head_type:   # (a typo: refused above)
+        out.append(f"head.type={head_type} over the {head_name} head's settings: choose the head with "
+                   f"head={head_type} (its config group), not head.type")
     for i, source in enumerate(OmegaConf.select(cfg, "data.sources", default=None) or []):
         if not OmegaConf.is_dict(source):
             out.append(f"data.sources[{i}]={source!r} must be a mapping like {{path: file.jsonl}}")

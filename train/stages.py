@@ -45,7 +45,7 @@ DEPENDS = {
     "data": ["model", "data", "eval.questions", "seed"],  # not head.draft_vocab_size: the train stage builds it
     "extract": ["model", "head.type", "head.aux_layers", "extract"],
     "train": ["head", "train", "seed"],
-    "eval": ["eval", "seed", "data.system_prompt", "data.thinking"],
+    "eval": ["eval", "seed", "data.system_prompt", "data.thinking", "dtype", "device"],  # eval.dtype=auto follows dtype
     "export": ["export", "publish.repo_id", "model.hub_id"],  # the model card names the repo and the target
     "publish": ["publish"],
 }
@@ -66,7 +66,7 @@ IGNORED = {
 ADDED = {"head.dropout": 0.0, "data.train_rows": None, "head.ttt_reach_topk": 0, "train.autocast": None,
          "train.ema": 0.0, "head.feature_loss": 0.0,
          "head.layer_init_embed": "zero", "data.validation_max_rows": None, "train.optimizer": "adamw",
-         "train.muon_lr": 0.02}
+         "train.muon_lr": 0.02, "dtype": "auto", "device": "auto"}
 # Keys that rerun the train stage (its result may differ) but keep its checkpoints: the run continues from
 # the latest checkpoint with the new value (budgets: a longer train.max_minutes continues training, the
 # schedule refitted from the current step; validation settings only change what is measured from now on).

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from heads.frozen import TargetWeights
+from train.errors import TargetError
 from train.log import log
 
 # Chat templates of the tiny targets; also the Llama-3-style and ChatML fixtures of the data tests.
@@ -226,10 +227,11 @@ def _from_pretrained(factory, path: str, cfg: DictConfig, **kwargs):
     try:
         return factory.from_pretrained(path, revision=cfg.model.revision, local_files_only=_offline(), **kwargs)
     except OSError as e:
-        raise OSError(
-            f"Could not load target {path!r}: {e}\nOffline (HF_HUB_OFFLINE=1) or without a network the "
-            "model must already be in the local Hugging Face cache; otherwise set model.path to a local "
-            "directory holding it."
+        reason = " ".join(str(e).split())   # one line (the launcher and train/run.py print user errors so)
+        raise TargetError(
+            f"could not load target {path!r}: {reason} -- offline (HF_HUB_OFFLINE=1) or without a network the "
+            "model must already be in the local Hugging Face cache; a gated model (Llama) needs its license "
+            "accepted and `huggingface-cli login`; or set model.path to a local directory holding it"
         ) from e
 
 
