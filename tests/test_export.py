@@ -26,14 +26,15 @@ from train.export import (
     serve_commands,
 )
 from train.publish import PublishError
-from train.stages import MARKER, fingerprint, run_stages, stage_dir
+from train.stages import MARKER, fingerprint, flat_config, run_stages, stage_dir
 from train.target import load_target
 
 
 def fake_trained(cfg, head) -> None:
     """Place a head where the train stage leaves it, with the stage's completion marker."""
     save_head(head, stage_dir(cfg, "train") / "head")
-    (stage_dir(cfg, "train") / MARKER).write_text(json.dumps({"stage": "train", "fingerprint": "test"}))
+    (stage_dir(cfg, "train") / MARKER).write_text(json.dumps({"stage": "train", "fingerprint": fingerprint(cfg, "train"),
+                                                              "output_id": "test", "config": flat_config(cfg, "train")}))
 
 
 @pytest.fixture
@@ -291,6 +292,31 @@ def test_publish_into_an_existing_repo(eagle_export, monkeypatch, public):
                                               "pytorch_model.bin"}
 
 
+@pytest.mark.parametrize("failure", ["forbidden", "offline"])
+def test_publish_names_the_fix_when_the_hub_refuses_or_is_unreachable(eagle_export, monkeypatch, failure):
+    """A token without write access (403) or no network: one line saying nothing was committed, not a traceback."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from train.publish import hub_errors
+
+    def create_repo(self, repo_id, private, exist_ok, repo_type):
+        if failure == "offline":   # the HTTP client's own error (httpx, or requests in older huggingface_hub)
+            raise hub_errors()[2]("[Errno 101] Network is unreachable")
+        error = HfHubHTTPError.__new__(HfHubHTTPError)   # (its constructor wants a response, version by version)
+        OSError.__init__(error, "403 Forbidden: You don't have the rights to create a model under someone")
+        raise error
+
+    hub = type("Hub", (FakeHub,), {"commits": [], "create_repo": create_repo})
+    monkeypatch.setattr("huggingface_hub.HfApi", hub)
+    cfg, _, _ = eagle_export
+    cfg = OmegaConf.merge(cfg, {"stages": ["publish"], "publish": {"repo_id": "someone/x", "dry_run": False,
+                                                                   "token": "hf_test"}})
+    with pytest.raises(PublishError, match=r"(403 Forbidden|Network is unreachable).*nothing was committed to "
+                                           r"someone/x.*write access"):
+        run_stages(cfg)
+    assert hub.commits == []
+
+
 def test_publish_refuses_a_missing_export(cfg_factory):
     cfg = cfg_factory("model=tiny-llama", "stages=[publish]", "publish.repo_id=someone/x")
     with pytest.raises(FileNotFoundError, match="Stage 'export' has no complete output"):
@@ -346,7 +372,8 @@ def test_cards_leave_out_measurements_of_an_earlier_head(cfg_factory):
     cfg = export_with_report(cfg_factory, vllm_check=check)
     card = (stage_dir(cfg, "export") / "vllm" / "README.md").read_text()
     assert "eagle3-tree" in card and "2.32 tokens with this head" in card and "This export ran in vLLM" in card
-    (stage_dir(cfg, "train") / MARKER).write_text(json.dumps({"stage": "train", "fingerprint": "retrained"}))
+    (stage_dir(cfg, "train") / MARKER).write_text(json.dumps({"stage": "train", "fingerprint": fingerprint(cfg, "train"),
+                                                              "output_id": "retrained"}))
     run_stages(cfg)  # the train output changed: export reruns
     card = (stage_dir(cfg, "export") / "vllm" / "README.md").read_text()
     assert "No evaluation report was found" in card and "eagle3-tree" not in card
@@ -506,10 +533,24 @@ def test_publish_refuses_an_export_of_another_head(cfg_factory):
     """The card is made at publish time from the head trained now: an export made before a retraining would go
     up with another head's card, so it is refused, naming the fix."""
     cfg = export_with_report(cfg_factory)
-    (stage_dir(cfg, "train") / MARKER).write_text(json.dumps({"stage": "train", "fingerprint": "retrained"}))
+    (stage_dir(cfg, "train") / MARKER).write_text(json.dumps({"stage": "train", "fingerprint": fingerprint(cfg, "train"),
+                                                              "output_id": "retrained"}))
     cfg = OmegaConf.merge(cfg, {"stages": ["publish"], "publish": {"repo_id": "someone/x", "dry_run": True}})
     with pytest.raises(PublishError, match="export again .*force=\\[export\\]"):
         run_stages(cfg)
+
+
+@pytest.mark.parametrize("stage", ["export", "publish"])
+def test_a_card_is_refused_for_settings_the_head_was_not_trained_with(eagle_export, stage):
+    """An export or publish command without the overrides the head was trained with: the card (data sources,
+    training settings, template kwargs) would describe this command's config. Refused, naming each difference."""
+    cfg, _, _ = eagle_export
+    other = OmegaConf.merge(cfg, {"stages": [stage], "force": [stage], "train": {"lr": 0.5},
+                                  "publish": {"repo_id": "someone/x", "dry_run": True}})
+    error = ExportError if stage == "export" else PublishError
+    with pytest.raises(error, match=rf"the train stage in .* was made with train.lr={cfg.train.lr!r} "
+                                    r"\(this command: 0.5\).*repeat the overrides"):
+        run_stages(other)
 
 
 def test_publish_refuses_a_card_with_a_local_path(eagle_export):

@@ -29,7 +29,7 @@ from heads import Eagle3Config, Eagle3Head, MedusaConfig, MedusaHead, load_head,
 from heads.frozen import TargetWeights
 from train.errors import UserError
 from train.log import log
-from train.stages import current_marker, read_marker, require, stage_dir, upstream_ids
+from train.stages import current_marker, flat_config, read_marker, require, stage_dir, upstream_ids
 from train.target import load_weights, target_files
 
 FORMATS = {"eagle3": ["vllm", "speculators", "sglang"], "medusa": ["medusa"]}
@@ -97,6 +97,23 @@ def expected_tensors(fmt: str, head) -> dict[str, tuple[tuple[int, ...], torch.d
     if fmt == "speculators":
         out["embed_tokens.weight"] = ((c.vocab_size, H), None)
     return out
+
+
+def check_card_config(cfg: DictConfig, error: type[UserError]) -> None:
+    """A model card describes the data and training of this command's config (sources, training settings, the
+    chat template's kwargs): refuse when the run directory's data or train stage was made with other settings
+    (an export or publish command without the overrides the head was trained with)."""
+    for stage in ("data", "train"):
+        marker = read_marker(cfg, stage)
+        if marker is None or current_marker(cfg, stage) is not None:
+            continue
+        made, now = marker.get("config"), flat_config(cfg, stage)
+        keys = [] if made is None else sorted(k for k in made.keys() | now.keys() if made.get(k) != now.get(k))
+        what = (", ".join(f"{k}={made.get(k)!r} (this command: {now.get(k)!r})" for k in keys[:8])
+                + (f" and {len(keys) - 8} more" if len(keys) > 8 else "") if keys
+                else "other settings" if made is None else "the same keys over other upstream outputs (rerun them)")
+        raise error(f"the {stage} stage in {cfg.run_dir} was made with {what}, and the model card would describe "
+                    f"this command's: repeat the overrides the head was trained with")
 
 
 def maps_vocab(fmt: str, c) -> bool:
@@ -508,6 +525,7 @@ def current_card(cfg: DictConfig, fmt: str) -> str:
 
 def run(cfg: DictConfig) -> dict:
     require(cfg, "train")
+    check_card_config(cfg, ExportError)
     out = stage_dir(cfg, "export")
     # The embedding (speculators format) and the config are all export needs of the target: an 8B target
     # is never loaded, its embedding is read from its files in the export dtype.

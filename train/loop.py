@@ -44,7 +44,7 @@ from train.extract import Captures, ExtractError, batches, capture, capture_laye
 from train.log import log, peak_rss_gib, progress
 from train.losses import StepStats, eagle3_loss, full_argmax, medusa_loss, target_view
 from train.plan import check_train_memory
-from train.stages import RESUMABLE, config_parts, fingerprint, require, stage_dir, upstream_ids
+from train.stages import RESUMABLE, fingerprint, flat_config, require, stage_dir, upstream_ids
 from train.target import load_layer_weights, load_target, load_weights, resolve_device, resolve_dtype
 from train.tracking import Tracker
 
@@ -866,17 +866,7 @@ class CheckpointMismatchError(UserError):
 def checkpoint_identity(cfg: DictConfig) -> dict:
     """What a training checkpoint depends on, by dotted key: the train stage's config keys (bookkeeping
     keys of train.stages.IGNORED left out) and the upstream stages' output ids."""
-    flat = {}
-
-    def walk(prefix: str, value) -> None:
-        if isinstance(value, dict) and value:
-            for k, v in value.items():
-                walk(f"{prefix}.{k}", v)
-        else:
-            flat[prefix] = value
-
-    for key, value in config_parts(cfg, "train").items():
-        walk(key, value)
+    flat = flat_config(cfg, "train")
     for name, oid in upstream_ids(cfg, "train").items():
         flat[f"upstream {name} output"] = oid
     return json.loads(json.dumps(flat, default=str))

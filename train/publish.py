@@ -18,7 +18,15 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from train.errors import UserError
-from train.export import FORMATS, LICENSE_FILES, card_license, current_card, portable, vllm_method_word
+from train.export import (
+    FORMATS,
+    LICENSE_FILES,
+    card_license,
+    check_card_config,
+    current_card,
+    portable,
+    vllm_method_word,
+)
 from train.log import log
 from train.stages import fingerprint, require, stage_dir
 
@@ -83,6 +91,7 @@ def run(cfg: DictConfig) -> dict:
         raise PublishError(f"the export in {stage_dir(cfg, 'export')} was made from another head or config than this "
                            "command's (a retraining since, other overrides): export again with this command's "
                            "overrides, e.g. add stages=[export,publish] force=[export]")
+    check_card_config(cfg, PublishError)
     folder = stage_dir(cfg, "export") / fmt
     if not folder.is_dir():
         raise PublishError(f"no export folder {folder}; run the export stage with this format first")
@@ -103,8 +112,29 @@ def run(cfg: DictConfig) -> dict:
             "or `hf auth login`")
     if not token:
         raise PublishError("no Hugging Face token: set HF_TOKEN, publish.token, or run `huggingface-cli login`")
+    try:
+        return _send(cfg, folder, files, card, token, listing, fmt)
+    except hub_errors() as e:   # a token without write access, another user's namespace, no network
+        reason = " ".join(str(e).split())
+        raise PublishError(f"the Hugging Face Hub refused or could not be reached ({type(e).__name__}: {reason}); "
+                           f"nothing was committed to {pcfg.repo_id}. Check the token's write access to it "
+                           "(HF_TOKEN, `hf auth login`) and the network, then rerun stages=[publish]") from e
+
+
+def hub_errors() -> tuple[type[BaseException], ...]:
+    """What huggingface_hub's HTTP layer raises: HTTP statuses (HfHubHTTPError, an OSError) and network failures
+    (its HTTP client's base error class, whichever client this version uses)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    return OSError, HfHubHTTPError, HfHubHTTPError.__mro__[1]
+
+
+def _send(cfg: DictConfig, folder: Path, files: list[Path], card: str | None, token: str, listing: list[dict],
+          fmt: str) -> dict:
+    """One commit of ``files`` (the card as made now) to ``publish.repo_id``, stale weights deleted in it."""
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
+    pcfg = cfg.publish
     api = HfApi(token=token)
     url = api.create_repo(pcfg.repo_id, private=pcfg.private, exist_ok=True, repo_type="model")
     # create_repo leaves an existing repo's visibility as it is: a public one would take the head publicly.

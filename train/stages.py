@@ -139,6 +139,22 @@ def config_parts(cfg: DictConfig, name: str, ignore: tuple[str, ...] = ()) -> di
     return parts
 
 
+def flat_config(cfg: DictConfig, name: str) -> dict:
+    """:func:`config_parts` of stage ``name`` by dotted key (groups walked down to their leaves), JSON values."""
+    flat = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+        else:
+            flat[prefix] = value
+
+    for key, value in config_parts(cfg, name).items():
+        walk(key, value)
+    return json.loads(json.dumps(flat, default=str))
+
+
 def current_marker(cfg: DictConfig, name: str) -> dict | None:
     """The marker of stage ``name`` when what it wrote is of the current config and upstream outputs (its
     fingerprint is today's), else None: e.g. an eval report of a head trained before."""
@@ -289,7 +305,8 @@ def _write_marker(cfg: DictConfig, name: str, fp: str, start: float, out: dict |
     """The stage's ``_complete.json`` (written by rank 0, atomically)."""
     marker = {"stage": name, "fingerprint": fp,
               "output_id": output_id(cfg, name, fp) if dist.is_main() else None, "wall_s": round(time.time() - start, 1),
-              "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "outputs": out or {}}
+              "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "outputs": out or {},
+              "config": flat_config(cfg, name)}   # what it was made with (a later command's differences named)
     if dist.is_main():
         tmp = stage_dir(cfg, name) / (MARKER + ".tmp")
         tmp.write_text(json.dumps(marker, indent=2, default=str))
