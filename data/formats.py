@@ -228,10 +228,16 @@ def _hub_rows(source: dict) -> Iterator[tuple[str, object]]:
     import datasets
 
     name, split = source["hf"], source.get("hf_split", "train")
-    rows = datasets.load_dataset(name, source.get("hf_config"), split=split, revision=source.get("hf_revision"),
-                                 data_files=source.get("hf_data_files"), streaming=bool(source.get("hf_streaming")))
-    for i, row in enumerate(rows):
-        yield f"{name}[{split}]:{i}", row
+    try:   # (a streamed dataset fails while its rows are read: the loop is inside too)
+        rows = datasets.load_dataset(name, source.get("hf_config"), split=split, revision=source.get("hf_revision"),
+                                     data_files=source.get("hf_data_files"), streaming=bool(source.get("hf_streaming")))
+        for i, row in enumerate(rows):
+            yield f"{name}[{split}]:{i}", row
+    except (ValueError, OSError) as e:   # an unknown split or config, a missing or gated dataset, no network
+        reason = " ".join(str(e).split())
+        raise DataError(f"Hub dataset {name!r} (hf_split {split!r}) could not be read: {type(e).__name__}: {reason} "
+                        "-- check hf (the name), hf_split (one of the dataset's splits, e.g. train_sft) and hf_config; "
+                        "offline it must be in the datasets cache already (or download it and use {path: file})") from e
 
 
 def humaneval_path() -> Path:

@@ -534,3 +534,25 @@ def test_answers_keep_their_ids_only_where_the_text_does_not_give_them_back():
     assert unpack_ids(row["messages"][-1]["token_ids"]) == broken and not row["complete"]
     add_answer(row, assistant_message(tok, broken), len(broken), True, 9, 32, None)
     assert [("token_ids" in m) for m in row["messages"]] == [False, False, False, True] and row["complete"]
+
+
+@pytest.mark.parametrize("failure", ["split", "stream"])
+def test_a_hub_dataset_that_cannot_be_read_is_one_line(monkeypatch, failure):
+    """A Hub source with the default hf_split where the dataset has other splits, or one whose streamed rows stop on
+    the network: a DataError naming hf, hf_split and hf_config, not a traceback from inside `datasets`."""
+    import datasets
+
+    def load_dataset(name, config, split, **kwargs):
+        if failure == "split":
+            raise ValueError(f'Unknown split "{split}". Should be one of [\'train_sft\', \'test_sft\'].')
+
+        def rows():
+            yield {"messages": [{"role": "user", "content": "hi"}]}
+            raise ConnectionError("Couldn't reach 'HuggingFaceH4/ultrachat_200k' on the Hub (ConnectTimeout)")
+        return rows()
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    reason = "Unknown split" if failure == "split" else "ConnectionError: Couldn't reach"
+    with pytest.raises(DataError, match=rf"Hub dataset 'HuggingFaceH4/ultrachat_200k' \(hf_split 'train'\) could not be "
+                                        rf"read: .*{reason}.*hf_split"):
+        list(read_source({"hf": "HuggingFaceH4/ultrachat_200k"}, "raise", Counter()))

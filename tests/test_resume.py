@@ -68,6 +68,10 @@ def fp(name: str, *overrides: str, tmp: Path) -> str:
     ("train", "head.dropout=0.1", True),
     ("train", "~head.dropout", False),                  # a run made before the key existed: 0.0 reproduces it
     ("data", "data.train_rows=3", True),
+    ("data", "data.regen.refill=0.5", False),           # how the hf backend batches (as data.regen.batch_size)
+    ("data", "data.num_proc=2", False),
+    ("eval", "dtype=float32", True),                     # eval.dtype=auto follows it
+    ("eval", "eval.min_speedup=1.5", True),              # the report's recommendation (its decodes are kept)
     ("eval", "eval.num_threads=1", False),
     ("eval", "eval.limit=3", True),
     ("export", "publish.repo_id=me/heads", True),       # the model card's serve commands name the repo

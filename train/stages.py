@@ -52,7 +52,8 @@ DEPENDS = {
 # Keys inside DEPENDS that do NOT change a stage's result (where, how fast or how verbosely it runs):
 # changing one neither reruns the stage nor invalidates what follows.
 IGNORED = {
-    "data": ["data.regen.dir", "data.synth_dir", "data.regen.batch_size", "data.regen.backend", "data.regen.url",
+    "data": ["data.regen.dir", "data.synth_dir", "data.regen.batch_size", "data.regen.refill", "data.num_proc",
+             "data.regen.backend", "data.regen.url",
              "data.regen.model", "data.regen.concurrency", "data.regen.timeout_s", "data.regen.retries",
              "data.regen.vllm", "data.regen.dtype"],  # the regeneration cache is keyed by target + sampling, not by
                                                       # the engine or its precision
