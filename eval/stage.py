@@ -160,7 +160,8 @@ class Fp32Scorer:
         if self.model is None:
             device = scorer_device(self.target)
             if device.type == "cpu" and next(self.target.parameters()).device.type == "cuda":
-                torch.set_num_threads(os.cpu_count() or 1)  # a launcher's OMP_NUM_THREADS=1: minutes per 8B pass
+                # a launcher's OMP_NUM_THREADS=1: minutes per 8B pass; the cores this rank may use, not the host's
+                torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
             self.model = self.target if self.target.dtype == torch.float32 else load_target(self.cfg, device, torch.float32)
         return self._logits(self.model, ids)
 
@@ -496,6 +497,7 @@ def run(cfg: DictConfig) -> dict:
     set_thinking(cfg.data.get("thinking"))  # prompts rendered as the data stage rendered them
     if cfg.eval.num_threads:
         torch.set_num_threads(cfg.eval.num_threads)
+    threads = torch.get_num_threads()   # the decodes' (a float32 judge on the CPU may take more cores later)
     out = stage_dir(cfg, "eval")
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(cfg)
@@ -533,7 +535,7 @@ def run(cfg: DictConfig) -> dict:
     results = aggregate(records)
     report = {
         "target": cfg.model.name, "head": kind, "device": str(target.device), "dtype": str(target.dtype),
-        "dtype_choice": dtype_choice, "cpu_threads": torch.get_num_threads(),
+        "dtype_choice": dtype_choice, "cpu_threads": threads,
         "head_params": sum(v.numel() for v in head.trained_state_dict().values() if v.is_floating_point()),
         "head_extra_memory_mb": _mb(chain(head.parameters(), head.buffers())),
         "target_params": sum(p.numel() for p in target.parameters()),
