@@ -670,3 +670,15 @@ def test_the_heartbeat_carries_a_rising_count_and_the_progress_bars_steps(tmp_pa
         bar.close()
         assert int(beat.split()[0]) > int(first.split()[0]) and int(beat.split()[1]) == int(first.split()[1]) + 3
     assert not path.exists()
+
+
+def test_metrics_of_a_crashed_run_are_cut_at_the_resumed_step(tmp_path):
+    """Training resumes at its checkpoint's step: metrics.jsonl keeps the records up to it; a last line torn by the
+    crash (a full disk) is dropped, not a JSONDecodeError that stopped every resume."""
+    from train.tracking import Tracker
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "train/loss": 1.0 / s}) + "\n" for s in (1, 2, 3))
+                    + '{"step": 4, "train/lo')
+    Tracker(make_cfg([*BASE], tmp_path), "train", path, resume_step=2)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from data.formats import read_jsonl
 from train import dist
 
 
@@ -21,11 +22,9 @@ class Tracker:
         self.run = None
         self.jsonl = jsonl if dist.is_main() else None
         if self.jsonl is not None:
-            kept = []
-            if resume_step is not None and self.jsonl.exists():
-                kept = [line for line in self.jsonl.read_text().splitlines()
-                        if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            self.jsonl.write_text("".join(line + "\n" for line in kept))
+            kept = [] if resume_step is None else [r for r in read_jsonl(self.jsonl)   # (a torn line: skipped)
+                                                   if (r.get("step") or 0) <= resume_step]
+            self.jsonl.write_text("".join(json.dumps(r) + "\n" for r in kept))
         tcfg = cfg.tracking
         if tcfg.backend != "wandb" or tcfg.get("mode") == "disabled" or not dist.is_main():
             return
