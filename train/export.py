@@ -29,7 +29,15 @@ from heads import Eagle3Config, Eagle3Head, MedusaConfig, MedusaHead, load_head,
 from heads.frozen import TargetWeights
 from train.errors import UserError
 from train.log import log
-from train.stages import current_marker, flat_config, read_marker, require, stage_dir, upstream_ids
+from train.stages import (
+    current_marker,
+    fingerprint,
+    flat_config,
+    read_marker,
+    require,
+    stage_dir,
+    upstream_ids,
+)
 from train.target import load_weights, target_files
 
 FORMATS = {"eagle3": ["vllm", "speculators", "sglang"], "medusa": ["medusa"]}
@@ -105,13 +113,16 @@ def check_card_config(cfg: DictConfig, error: type[UserError]) -> None:
     (an export or publish command without the overrides the head was trained with)."""
     for stage in ("data", "train"):
         marker = read_marker(cfg, stage)
-        if marker is None or current_marker(cfg, stage) is not None:
+        if marker is None or marker.get("fingerprint") == fingerprint(cfg, stage):
             continue
         made, now = marker.get("config"), flat_config(cfg, stage)
-        keys = [] if made is None else sorted(k for k in made.keys() | now.keys() if made.get(k) != now.get(k))
-        what = (", ".join(f"{k}={made.get(k)!r} (this command: {now.get(k)!r})" for k in keys[:8])
-                + (f" and {len(keys) - 8} more" if len(keys) > 8 else "") if keys
-                else "other settings" if made is None else "the same keys over other upstream outputs (rerun them)")
+        if made is None:   # a marker written before markers kept their config
+            what = "other settings"
+        elif keys := sorted(k for k in made.keys() | now.keys() if made.get(k) != now.get(k)):
+            what = ", ".join(f"{k}={made.get(k)!r} (this command: {now.get(k)!r})" for k in keys[:8])
+            what += f" and {len(keys) - 8} more" if len(keys) > 8 else ""
+        else:
+            what = "the same keys over other upstream outputs (rerun them)"
         raise error(f"the {stage} stage in {cfg.run_dir} was made with {what}, and the model card would describe "
                     f"this command's: repeat the overrides the head was trained with")
 

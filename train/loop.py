@@ -866,10 +866,8 @@ class CheckpointMismatchError(UserError):
 def checkpoint_identity(cfg: DictConfig) -> dict:
     """What a training checkpoint depends on, by dotted key: the train stage's config keys (bookkeeping
     keys of train.stages.IGNORED left out) and the upstream stages' output ids."""
-    flat = flat_config(cfg, "train")
-    for name, oid in upstream_ids(cfg, "train").items():
-        flat[f"upstream {name} output"] = oid
-    return json.loads(json.dumps(flat, default=str))
+    upstream = {f"upstream {name} output": oid for name, oid in upstream_ids(cfg, "train").items()}
+    return {**flat_config(cfg, "train"), **upstream}   # (JSON values: output ids are strings or None)
 
 
 def checkpoint_changes(client: dict, identity: dict) -> list[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from data.formats import read_jsonl
+from data.formats import read_jsonl, rewrite_jsonl
 from train import dist
 
 
@@ -24,7 +24,7 @@ class Tracker:
         if self.jsonl is not None:
             kept = [] if resume_step is None else [r for r in read_jsonl(self.jsonl)   # (a torn line: skipped)
                                                    if (r.get("step") or 0) <= resume_step]
-            self.jsonl.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            rewrite_jsonl(self.jsonl, kept)
         tcfg = cfg.tracking
         if tcfg.backend != "wandb" or tcfg.get("mode") == "disabled" or not dist.is_main():
             return
