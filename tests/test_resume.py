@@ -82,6 +82,18 @@ def test_fingerprints_count_only_what_changes_the_result(tmp_path, stage, overri
     assert (fp(stage, override, tmp=tmp_path) != fp(stage, tmp=tmp_path)) is counts
 
 
+@pytest.mark.parametrize("stage", ["data", "extract"])
+def test_a_hub_id_naming_a_local_target_redoes_no_pass_over_it(tmp_path, stage):
+    """With model.path set the Hub id only names the target in model cards: setting it for the card (the export
+    stage's note asks for it) reruns export alone, not the data and extract passes over a 7-8B target."""
+    qwen, other = ["model=qwen2.5-7b"], "model.hub_id=org/target"
+    local = [*qwen, f"model.path={tmp_path / 'qwen'}"]
+    assert fp(stage, *local, other, tmp=tmp_path) == fp(stage, *local, tmp=tmp_path)
+    assert fp("export", *local, other, tmp=tmp_path) != fp("export", *local, tmp=tmp_path)
+    assert fp(stage, *qwen, other, tmp=tmp_path) != fp(stage, *qwen, tmp=tmp_path)  # the Hub id loads it
+    assert fp(stage, *local, tmp=tmp_path) != fp(stage, *local[:1], f"model.path={tmp_path / 'b'}", tmp=tmp_path)
+
+
 def test_a_data_run_made_before_train_rows_stays_valid(tmp_path):
     """data.train_rows=null (all rows) reproduces runs made before the key (Hydra cannot delete a null key)."""
     cfg = make_cfg(BASE, tmp_path)

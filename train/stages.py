@@ -137,6 +137,9 @@ def config_parts(cfg: DictConfig, name: str, ignore: tuple[str, ...] = ()) -> di
         for k in path:
             node = node.get(k) or {}
         node.pop(leaf, None)
+    if name in ("data", "extract") and cfg.model.source == "hf" and cfg.model.path:
+        parts["model"]["hub_id"] = None  # only names the target in model cards (the export stage's key) when a
+        #                                  local copy is what loads: adding it for a card redoes no 7-8B pass
     return parts
 
 
