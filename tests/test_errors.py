@@ -54,6 +54,24 @@ def test_malformed_input_line_is_one_line(tmp_path):
     assert f"{path}:2: malformed JSON" in line and "data.on_error=skip" in line
 
 
+def test_what_later_stages_need_from_outside_is_refused_before_the_first(tmp_path):
+    """No W&B login with tracking.mode=online (the run starts in the train stage), no Hugging Face token and a
+    malformed repo id (the publish stage): one line before any stage, not after the data, extract and training."""
+    def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(ROOT / "train/run.py"), "tracking=wandb", "tracking.mode=online",
+                               f"output_root={tmp_path}", "model=tiny-llama", *args], cwd=ROOT,
+                              env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=300)
+
+    line = one_error_line(run("stages=[data,extract,train,eval,export,publish]", "publish.repo_id=not a repo"))
+    assert "needs a W&B login" in line and "wandb login" in line and "tracking.mode=offline" in line, line
+    assert "no Hugging Face token" in line and "must look like 'user/name'" in line, line
+    assert not any(tmp_path.rglob("data")), "a stage ran"
+    line = one_error_line(run("stages=[train]", env={"WANDB_API_KEY": "not-a-key"}))
+    assert "cannot log in to W&B" in line and "40+ characters" in line, line
+    line = one_error_line(run("stages=[train]", env={"WANDB_API_KEY": "k" * 40}))   # a key: read, not sent
+    assert "Stage 'data' has no complete output" in line, line                     # (the stage's own error)
+
+
 def test_debug_switch_shows_the_traceback(tmp_path):
     out = cli(tmp_path, "train.positions=asistant", "plan=true", env={"SPECHEADS_DEBUG": "1"})
     assert out.returncode != 0 and "Traceback" in out.stderr and "ConfigError" in out.stderr

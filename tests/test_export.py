@@ -318,7 +318,7 @@ def test_publish_names_the_fix_when_the_hub_refuses_or_is_unreachable(eagle_expo
 
 
 def test_publish_refuses_a_missing_export(cfg_factory):
-    cfg = cfg_factory("model=tiny-llama", "stages=[publish]", "publish.repo_id=someone/x")
+    cfg = cfg_factory("model=tiny-llama", "stages=[publish]", "publish.repo_id=someone/x", "publish.token=hf_test")
     with pytest.raises(FileNotFoundError, match="Stage 'export' has no complete output"):
         run_stages(cfg)
 

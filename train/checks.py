@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from data.engines import BACKENDS
 from eval.drafters import METHODS
 from heads.eagle3 import EMBED_HALF
-from train.errors import ConfigError
+from train.errors import ConfigError, UserError
 from train.export import FORMATS
 from train.losses import OBJECTIVES
 from train.stages import ORDER
@@ -180,6 +180,23 @@ def problems(cfg: DictConfig) -> list[str]:
                    f"data.regen.backend={cfg.data.regen.backend} servers do not return them: use extract.source=auto "
                    "or pass (a separate extraction pass), or data.regen.backend=hf")
     return out
+
+
+def preflight(cfg: DictConfig) -> None:
+    """Raise one :class:`~train.errors.UserError` listing what a later stage of this run would refuse after
+    hours of work and can be told now: publishing without a token or a valid repo id, tracking online without a
+    W&B login. Rank 0 only (the one that tracks and publishes); the launcher stops the others."""
+    from train import dist
+    from train.publish import settings_problems
+    from train.tracking import login_problem
+
+    if not dist.is_main():
+        return
+    found = settings_problems(cfg) if "publish" in cfg.stages else []
+    if "train" in cfg.stages and (problem := login_problem(cfg)):
+        found.append(problem)
+    if found:
+        raise UserError("before any stage: " + "; ".join(found))
 
 
 def validate(cfg: DictConfig) -> None:

@@ -72,19 +72,31 @@ def resolve_token(pcfg: DictConfig) -> str | None:
     return pcfg.token or os.environ.get("HF_TOKEN") or get_token()
 
 
+def settings_problems(cfg: DictConfig) -> list[str]:
+    """What the publish stage would refuse in its settings alone (repo id, format, token), one sentence each:
+    ``train/run.py`` checks them before the first stage (after hours of training they would come late)."""
+    pcfg, out = cfg.publish, []
+    if not pcfg.repo_id or not REPO_ID.match(str(pcfg.repo_id)):
+        out.append(f"publish.repo_id must look like 'user/name', got {pcfg.repo_id!r}")
+    elif cfg.head.type == "medusa" and (word := vllm_method_word(pcfg.repo_id)):
+        out.append(f"publish.repo_id {pcfg.repo_id!r} contains {word!r}: vLLM would load this Medusa head as another "
+                   "method and fail; choose a name without it")
+    fmt = pcfg.format or FORMATS[cfg.head.type][0]
+    if fmt not in FORMATS[cfg.head.type]:
+        out.append(f"publish.format {fmt!r} is not an export of a {cfg.head.type} head ({FORMATS[cfg.head.type]})")
+    if not pcfg.dry_run and not resolve_token(pcfg):
+        out.append("no Hugging Face token: set HF_TOKEN, publish.token, or run `hf auth login`")
+    return out
+
+
 def run(cfg: DictConfig) -> dict:
     pcfg = cfg.publish
-    if not pcfg.repo_id or not REPO_ID.match(str(pcfg.repo_id)):
-        raise PublishError(f"publish.repo_id must look like 'user/name', got {pcfg.repo_id!r}")
-    if cfg.head.type == "medusa" and (word := vllm_method_word(pcfg.repo_id)):
-        raise PublishError(f"publish.repo_id {pcfg.repo_id!r} contains {word!r}: vLLM would load this Medusa head "
-                           "as another method and fail; choose a name without it")
+    if found := settings_problems(cfg):
+        raise PublishError("; ".join(found))
     if card_license(cfg) == "llama3.1" and not str(pcfg.repo_id).split("/")[1].lower().startswith("llama"):
         log(f"[publish] warning: the Llama 3.1 license asks that a model trained on Llama's outputs be named starting "
             f"with \"Llama\" ({pcfg.repo_id})")
     fmt = pcfg.format or FORMATS[cfg.head.type][0]
-    if fmt not in FORMATS[cfg.head.type]:
-        raise PublishError(f"publish.format {fmt!r} is not an export of a {cfg.head.type} head ({FORMATS[cfg.head.type]})")
     marker = require(cfg, "export")
     made_by = [fingerprint(OmegaConf.merge(cfg, {"publish": {"repo_id": r}}), "export") for r in (pcfg.repo_id, None)]
     if marker.get("fingerprint") not in made_by:   # the card is made now: it must describe the weights sent
@@ -110,8 +122,6 @@ def run(cfg: DictConfig) -> dict:
     if pcfg.token:
         log("[publish] publish.token is kept in this run's .hydra/ files (not sent to the tracker): prefer HF_TOKEN "
             "or `hf auth login`")
-    if not token:
-        raise PublishError("no Hugging Face token: set HF_TOKEN, publish.token, or run `huggingface-cli login`")
     try:
         return _send(cfg, folder, files, card, token, listing, fmt)
     except hub_errors() as e:   # a token without write access, another user's namespace, no network

@@ -38,13 +38,14 @@ def main(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig) -> None:
     from train import dist
-    from train.checks import validate
+    from train.checks import preflight, validate
     from train.log import log
     from train.stages import run_stages
     from train.target import resolve_device
     from train.tracking import finish
 
     validate(cfg)  # every enum, size and share at once, before any plan, weight or stage
+    preflight(cfg)  # a publish token, a W&B login: what a later stage needs from outside
     quiet_libraries()
     if cfg.plan:  # before any process group, weights or stage: rank 0 prints, every rank exits
         from train.plan import print_plan

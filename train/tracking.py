@@ -48,6 +48,26 @@ class Tracker:
             self.run.summary.update(values)
 
 
+def login_problem(cfg: DictConfig) -> str | None:
+    """Why ``tracking.mode=online`` cannot start its W&B run on this machine (no API key in WANDB_API_KEY, the
+    netrc or wandb's settings; read, not sent), else None: the run starts in the train stage, after the data and
+    extract stages' hours."""
+    tcfg = cfg.tracking
+    if tcfg.backend != "wandb" or tcfg.get("mode") != "online":
+        return None
+    import wandb
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    try:
+        if wandb.login(prompt=False, verify=False):
+            return None
+        why = "needs a W&B login on this machine"
+    except wandb.errors.Error as e:   # a malformed key (WANDB_API_KEY, the netrc)
+        why = f"cannot log in to W&B ({' '.join(str(e).split())})"
+    return (f"tracking.mode=online {why}: run `wandb login` (or set WANDB_API_KEY), or track offline "
+            "(tracking.mode=offline) and upload later with `wandb sync <run_dir>/wandb`")
+
+
 def finish() -> None:
     """Close the W&B run of this process, if any (flushes the offline run directory)."""
     import sys
