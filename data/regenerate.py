@@ -69,7 +69,7 @@ class Answer:
     states: torch.Tensor | None = None   # with ``layers``: [prompt + tokens + tail, n_layers, H]
 
 
-Tail = Callable[[Hashable, list[int]], "list[int] | None"]
+Tail = Callable[[Hashable, list[int], bool], "list[int] | None"]
 
 
 @torch.inference_mode()
@@ -89,7 +89,7 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
 
     With ``layers`` (HF hidden_states indices) the states at those layers are kept from the generating
     passes themselves: the prompt's from the prefill, each new token's from the step that feeds it. When a
-    row's answer ends (EOS, or ``max_new_tokens``: its last token is fed too), ``tail(job, tokens)`` gives
+    row's answer ends (EOS, or ``max_new_tokens``: its last token is fed too), ``tail(job, tokens, hit_eos)`` gives
     the tokens the chat template puts after the answer (end of turn, ...); they are fed one per step, so
     ``states`` covers the whole rendered conversation. ``tail`` returning None drops the row's states.
     Sampling draws only for rows still answering: the answers are the same with or without ``layers``. A callable
@@ -147,7 +147,7 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
                 if not hit_eos and len(answers[job]) < limits[job]:
                     feed.append(tok)
                     continue
-                more = tail(job, answers[job]) if tail and kept[job] is not None else []
+                more = tail(job, answers[job], hit_eos) if tail and kept[job] is not None else []
                 if more is None:  # states not wanted
                     kept[job], more = None, []
                 elif not hit_eos and kept[job] is not None:  # cut at its limit: the last token's state too
@@ -439,7 +439,7 @@ def _next_prompt(tokenizer, r: dict) -> list[int]:
 
 
 def _template_tail(tokenizer, state: dict[str, dict], prompts: dict[str, list[int]], fulls: dict[str, list[int]],
-                   key: str, answer: list[int]) -> list[int] | None:
+                   key: str, answer: list[int], hit_eos: bool) -> list[int] | None:
     """The tokens the chat template puts after ``answer`` of conversation ``key`` when it ends the conversation
     (its rendered ids, the answer as generated: :func:`data.template.as_generated`, go to ``fulls[key]``); None when
     its states are not kept: not the last turn (the next turn's prefill covers it), or the template does not
@@ -448,7 +448,8 @@ def _template_tail(tokenizer, state: dict[str, dict], prompts: dict[str, list[in
     turn = _answered(r)
     if turn != len(r["users"]) - 1:
         return None
-    messages = [*r["messages"], r["users"][turn], assistant_message(tokenizer, answer)]
+    message = assistant_message(tokenizer, answer)
+    messages = [*r["messages"], r["users"][turn], message if hit_eos else {**message, "truncated": True}]
     full, _ = as_generated(tokenizer, messages, conversation_ids(tokenizer, messages), prompt=prompts[key])
     head = prompts[key] + answer
     if full[: len(head)] != head:

@@ -20,7 +20,9 @@ to an earlier turn is not a prefix of the whole conversation. For those turns th
 turn's final answer as the template renders it in the conversation (reasoning of earlier turns is
 not in the sequence at all, as the target never sees it; an answer that was all reasoning leaves its
 end-of-turn token) and the end-of-turn token after it. Text the template injects before an answer
-(Qwen3's empty ``<think>`` block before a last answer that has none) is not trained on.
+(Qwen3's empty ``<think>`` block before a last answer that has none) is not trained on; a last answer the
+target did not end (regeneration's ``truncated``: a reasoning cut at ``max_new_tokens``) is not rendered at all,
+the row is its prompt and its ids (:func:`as_generated`).
 
 Checked against the real templates of Qwen2.5-7B-Instruct, Qwen3-8B and Llama-3.1-8B-Instruct
 (``tests/fixtures/templates``). A regenerated LAST answer with its ``token_ids`` is spliced in as the target
@@ -166,17 +168,26 @@ def as_generated(tokenizer, messages: list[dict], ids: list[int], mask: list[int
     belong to them, so they replace the text's tokens of that answer, all trained (the answer is the target's);
     the tokens around it keep the text's mask. Unchanged when the last message has no ``token_ids``, already
     renders as them, or the template does not render its text verbatim right after the generation prompt
-    (``prompt``: its ids, when known; e.g. Llama 3.1 trims answers). The decision does not depend on ``mask``, so
-    regeneration (which keeps the states of the ids this returns) and the data stage agree."""
+    (``prompt``: its ids, when known; e.g. Llama 3.1 trims answers). A last answer the target did not end
+    (``truncated``) is the prompt and the answer's ids, nothing after them: the end of turn the template adds is not
+    the target's, and Qwen3 renders a reasoning cut before its ``</think>`` after an empty ``<think>`` block of its
+    own, a context the target never saw. The decision does not depend on ``mask``, so regeneration (which keeps the
+    states of the ids this returns) and the data stage agree."""
     last = messages[-1] if messages else {}
     generated = unpack_ids(last.get("token_ids"))
-    if last.get("role") != "assistant" or not generated:
+    if last.get("role") != "assistant" or not (generated or last.get("truncated")):
         return ids, mask
     prompt = prompt_ids(tokenizer, messages[:-1], thinking) if prompt is None else prompt
     start = len(prompt)
-    if ids[:start] != prompt or ids[start:start + len(generated)] == generated:
+    if ids[:start] != prompt:
         return ids, mask
     text = tokenizer(last["content"], add_special_tokens=False)["input_ids"]
+    if last.get("truncated"):   # cut: the prompt and the answer's ids are all the target saw
+        if not generated or tokenizer.decode(generated, skip_special_tokens=True) != last["content"]:
+            generated = text
+        return [*prompt, *generated], None if mask is None else [*mask[:start], *[1] * len(generated)]
+    if ids[start:start + len(generated)] == generated:
+        return ids, mask
     end = start + len(text)
     if not text or ids[start:end] != text or tokenizer.decode(generated, skip_special_tokens=True) != last["content"]:
         return ids, mask

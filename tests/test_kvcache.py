@@ -75,7 +75,7 @@ def test_regeneration_is_the_same_with_a_dynamic_cache(model, monkeypatch, cfg_f
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15]]
 
     def run() -> list:
-        return generate(target, prompts, 12, {3, 4}, 0, layers=[1, 2], tail=lambda row, tokens: [1] * (row + 1))
+        return generate(target, prompts, 12, {3, 4}, 0, layers=[1, 2], tail=lambda row, tokens, hit_eos: [1] * (row + 1))
 
     mine = run()
     monkeypatch.setattr(data.regenerate, "kv_cache", lambda config, capacity: DynamicCache(config=config))
@@ -103,7 +103,7 @@ def _continuous(target, monkeypatch, batch_size: int, refill: int, eos: set[int]
     monkeypatch.setattr(data.regenerate, "join", counted)
     queue, got = deque(enumerate(PROMPTS[:5])), {}
     for finished in stream(target, queue, batch_size, refill, 12, eos, 0, layers=[1, 2],
-                           tail=lambda job, tokens: [1] * (job % 3)):
+                           tail=lambda job, tokens, hit_eos: [1] * (job % 3)):
         if not got:
             queue.append((5, PROMPTS[5]))
         got.update(finished)
@@ -121,7 +121,7 @@ def test_continuous_batching_gives_each_prompt_its_answer_alone(model, eos, monk
     assert sorted(got) == list(range(6))
     lengths = set()
     for j, p in enumerate(PROMPTS):
-        alone = generate(target, [p], 12, eos, 0, layers=[1, 2], tail=lambda job, tokens, j=j: [1] * (j % 3))[0]
+        alone = generate(target, [p], 12, eos, 0, layers=[1, 2], tail=lambda job, tokens, hit_eos, j=j: [1] * (j % 3))[0]
         assert (got[j].tokens, got[j].hit_eos) == (alone.tokens, alone.hit_eos)
         torch.testing.assert_close(got[j].states, alone.states, rtol=1e-5, atol=1e-5)
         lengths.add(len(alone.tokens))
@@ -158,7 +158,7 @@ def test_decode_steps_of_an_unpadded_batch_keep_their_mask_on_the_cpu(cfg_factor
         return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
 
     def run() -> list:
-        return generate(target, prompts, 6, set(), 0, layers=[1, 2], tail=lambda row, tokens: [1])
+        return generate(target, prompts, 6, set(), 0, layers=[1, 2], tail=lambda row, tokens, hit_eos: [1])
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     masked = run()

@@ -49,7 +49,11 @@ def spans(mask: list[int]) -> list[tuple[int, int]]:
 
 def masked(tok, conv: list[dict], thinking: bool | None = None) -> list[str]:
     ids, mask = tokenize_conversation(tok, conv, thinking=thinking)
-    assert ids == conversation_ids(tok, conv, thinking=thinking)
+    if conv[-1].get("truncated"):   # an answer the target did not end: its prompt and its ids, nothing after
+        answer = tok(conv[-1]["content"], add_special_tokens=False)["input_ids"]
+        assert ids == prompt_ids(tok, conv[:-1], thinking) + answer
+    else:
+        assert ids == conversation_ids(tok, conv, thinking=thinking)
     return [tok.decode(ids[a:b]) for a, b in spans(mask)]
 
 
@@ -104,6 +108,9 @@ def test_qwen3_truncated_reasoning_is_trained_without_the_block_the_template_add
     conv = [U("Prove it"), A("<think>\nLet me think")]
     assert "assistant\n<think>\n\n</think>\n\n<think>\nLet me think" in render(tok, conv)
     assert masked(tok, conv) == ["<think>\nLet me think<|im_end|>"]
+    # regenerated, it is cut at max_new_tokens: the target wrote it right after the generation prompt, and that is
+    # the row (no empty block before it, no end of turn after it)
+    assert masked(tok, [*conv[:-1], {**conv[-1], "truncated": True}]) == ["<think>\nLet me think"]
 
 
 @pytest.mark.parametrize("name, thinking", [("qwen2.5-7b-instruct", None), ("llama-3.1-8b-instruct", None),
@@ -154,8 +161,8 @@ def test_a_last_answer_trains_on_the_ids_the_target_generated(name, thinking, tr
     assert ids[start:end] == text and set(mask[start:end]) == {1}
     assert got_ids == [*ids[:start], *generated, *ids[end:]]
     assert got_mask == [*mask[:start], *[1] * len(generated), *mask[end:]]
-    assert (tok.decode(got_ids[start + len(generated):]).count(EOT[name]) == 1
-            and sum(got_mask[start + len(generated):]) == (0 if truncated else 1))   # the end of turn: trained if ended
+    after = start + len(generated)   # the end of turn, trained, after an answer the target ended; none after a cut one
+    assert (tok.decode(got_ids[after:]).count(EOT[name]), sum(got_mask[after:])) == ((0, 0) if truncated else (1, 1))
     # ids that render as the text: nothing to change
     assert tokenize_conversation(tok, [*history, {**plain, "token_ids": pack_ids(text)}], thinking) == (ids, mask)
 

@@ -34,7 +34,7 @@ def test_generation_keeps_the_states_of_a_forward_pass(twin, temperature):
     def run(layers):
         gen = torch.Generator().manual_seed(3)
         return generate(model, prompts, 12, eos, tok.pad_token_id, temperature, 0.9, gen, layers,
-                        lambda j, answer: None if tails[j] is None else list(tails[j]))
+                        lambda j, answer, hit_eos: None if tails[j] is None else list(tails[j]))
 
     plain, kept = run(None), run(LAYERS)
     assert [(a.tokens, a.hit_eos) for a in plain] == [(a.tokens, a.hit_eos) for a in kept]
@@ -216,24 +216,12 @@ def test_regeneration_in_bfloat16_keeps_the_states_of_its_own_pass(tmp_path, tex
     assert torch.cat([a[k][1] == b[k][1] for k in a]).float().mean() >= 0.9
 
 
-@pytest.mark.parametrize("writes", ["text", "bytes"])
-def test_kept_states_cover_multi_turn_and_truncated_answers(tmp_path, text_twin, writes):
-    """Two user turns, and answers cut at max_new_tokens: the last turn's prefill covers the first turn, the
-    last token of a cut answer and the template's end of turn are fed, so the states cover the whole row. A
-    random twin writes bytes that are not UTF-8 (its text tokenises to other ids): the rows train on the ids it
-    generated (data.template.as_generated), which its kept states cover."""
-    conv = {"turns": ["Say one word.", "And another one?"]}
-    path = tmp_path / "two_turns.jsonl"
-    path.write_text(json.dumps(conv) + "\n" + json.dumps({"turns": ["Count to three."]}) + "\n")
-    twin = text_twin if writes == "text" else ["model=tiny-qwen2"]
-    cfg = make_cfg([*twin, FP32_REGEN, f"data.sources=[{{path:{path},split:train}}]", "data.regen.max_new_tokens=4",
-                    "head.draft_vocab_size=96", "extract.source=regen", "extract.dtype=float32", "stages=[data]",
-                    f"output_root={tmp_path}"])
-    run_stages(cfg)
-    tok, model = load_tokenizer(cfg), load_target(cfg)
-    layers = capture_layers(cfg, load_config(cfg))
+def _check_captured(cfg):
+    """(the train split, how many of its rows the kept states cover): each covered row's states and argmax equal a
+    float32 forward pass over its ids."""
     from data.stage import load_dataset
 
+    model, layers = load_target(cfg), capture_layers(cfg, load_config(cfg))
     ds = load_dataset(cfg)["train"]
     captured = CapturedStates(stage_dir(cfg, "data") / "captured", layers, "float32",
                               json.loads((stage_dir(cfg, "data") / "manifest.json").read_text())["target_fingerprint"])
@@ -248,7 +236,52 @@ def test_kept_states_cover_multi_turn_and_truncated_answers(tmp_path, text_twin,
         checked += 1
     stats = json.loads((stage_dir(cfg, "data") / "stats.json").read_text())
     assert stats["regeneration"]["captured"]["rows"] == len(captured) >= checked
-    assert checked == len(ds) == 2 and sum("And another one?" in tok.decode(r["input_ids"]) for r in ds) == 1
+    return ds, checked
+
+
+def test_a_reasoning_cut_at_max_new_tokens_trains_on_what_the_target_saw(tmp_path):
+    """Qwen3's template renders a last answer without ``</think>`` after an empty ``<think>`` block of its own: an
+    answer cut at max_new_tokens (the twin writes no ``</think>``: a reasoning cut before its end) would train on a
+    context the target never saw, and lose its kept states. Its row is the prompt and the answer as generated, which
+    the states kept while regenerating cover."""
+    from train.target import target_path
+
+    base = make_cfg(["model=tiny-qwen3"])
+    out = tmp_path / "qwen3-template"
+    shutil.copytree(target_path(base), out)
+    tok = load_tokenizer(base)
+    tok.chat_template = (Path(__file__).parent / "fixtures/templates/qwen3-8b.jinja").read_text()
+    tok.save_pretrained(out)
+    cfg = make_cfg(["model=tiny-qwen3", "model.source=hf", f"model.path={out}", "model.name=qwen3-template", FP32_REGEN,
+                    "data.sources=[{type:builtin,limit:6,split:train}]", "data.regen.max_new_tokens=4",
+                    "head.draft_vocab_size=96", "extract.source=regen", "extract.dtype=float32", "stages=[data]",
+                    f"output_root={tmp_path}"])
+    run_stages(cfg)
+    ds, checked = _check_captured(cfg)
+    assert checked == len(ds) > 0
+    for row in ds:
+        text = tok.decode(row["input_ids"])
+        assert "</think>" not in text and not text.endswith("<|im_end|>\n")   # no block before, no end of turn after
+        assert list(row["loss_mask"][-4:]) == [1] * 4    # the answer's 4 ids end the row, all trained
+
+
+@pytest.mark.parametrize("writes", ["text", "bytes"])
+def test_kept_states_cover_multi_turn_and_truncated_answers(tmp_path, text_twin, writes):
+    """Two user turns, and answers cut at max_new_tokens: the last turn's prefill covers the first turn, the
+    last token of a cut answer and the template's end of turn are fed, so the states cover the whole row. A
+    random twin writes bytes that are not UTF-8 (its text tokenises to other ids): the rows train on the ids it
+    generated (data.template.as_generated), which its kept states cover."""
+    conv = {"turns": ["Say one word.", "And another one?"]}
+    path = tmp_path / "two_turns.jsonl"
+    path.write_text(json.dumps(conv) + "\n" + json.dumps({"turns": ["Count to three."]}) + "\n")
+    twin = text_twin if writes == "text" else ["model=tiny-qwen2"]
+    cfg = make_cfg([*twin, FP32_REGEN, f"data.sources=[{{path:{path},split:train}}]", "data.regen.max_new_tokens=4",
+                    "head.draft_vocab_size=96", "extract.source=regen", "extract.dtype=float32", "stages=[data]",
+                    f"output_root={tmp_path}"])
+    run_stages(cfg)
+    ds, checked = _check_captured(cfg)
+    assert checked == len(ds) == 2 and sum("And another one?" in load_tokenizer(cfg).decode(r["input_ids"])
+                                           for r in ds) == 1
     from tests.test_regen_backends import cache_of
 
     spliced = [r for r in cache_of(cfg).values() if "token_ids" in r["messages"][-1]]
