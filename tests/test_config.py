@@ -104,6 +104,16 @@ def test_full_training_preset_extends_the_default():
         assert make_cfg(preset).data.regen.max_new_tokens == 2048 > make_cfg([]).data.regen.max_new_tokens
 
 
+def test_qwen3_regenerates_with_the_sampling_its_card_asks_for_reasoning():
+    """Qwen3's reasoning is sampled (0.6 / 0.95: greedy loops until max_new_tokens); the other targets regenerate
+    greedily; an override still wins."""
+    regen = make_cfg(["model=qwen3-8b"]).data.regen
+    assert (regen.temperature, regen.top_p) == (0.6, 0.95)
+    for model in ("qwen2.5-7b", "llama3.1-8b", "smollm2-135m"):
+        assert make_cfg([f"model={model}"]).data.regen.temperature == 0.0
+    assert make_cfg(["model=qwen3-8b", "data.regen.temperature=0"]).data.regen.temperature == 0
+
+
 # --- One validation pass (train/checks.py): every enum-like key rejects a typo, listing the valid values.
 
 from train.checks import ENUMS, NUMBERS, problems  # noqa: E402
