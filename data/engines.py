@@ -19,7 +19,6 @@ the TARGET's chat template by :func:`data.template.prompt_ids`, and the same sam
 from __future__ import annotations
 
 import concurrent.futures as futures
-import fcntl
 import http.client
 import json
 import os
@@ -56,6 +55,7 @@ from data.regenerate import (
 from data.template import prompt_ids, with_system
 from train import dist
 from train.log import STEPS, log, progress
+from train.stages import exclusive
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ("hf", "vllm", "openai")
@@ -66,25 +66,13 @@ class RegenError(DataError):
     """Regeneration could not go on; the message says what failed. Answers already written are kept."""
 
 
-@contextmanager
-def cache_lock(path: Path) -> Iterator[None]:
-    """Hold the cache ``path`` alone while regenerating into it: two runs sharing ``data.regen.dir`` (the
-    EAGLE-3 and Medusa runs of one target started side by side) would each compact the file and drop the other's
-    appended answers. The second one stops at once with the holder and the fix (no wait that could outlast a
-    collective timeout); the lock ends with its process, also on a crash."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a+", encoding="utf-8") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            raise RegenError(f"another run is regenerating into {path} ({f.read().strip() or 'holder unknown'}): let "
-                             "it finish (this run then finds its answers in the cache), or give this run another "
-                             "data.regen.dir") from None
-        f.truncate(0)
-        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        f.flush()
-        yield
+def cache_lock(path: Path):
+    """Hold the cache ``path`` alone while regenerating into it (:func:`train.stages.exclusive`): two runs sharing
+    ``data.regen.dir`` (the EAGLE-3 and Medusa runs of one target started side by side) would each compact the file
+    and drop the other's appended answers. The second one stops at once with the holder and the fix."""
+    return exclusive(path.with_suffix(".lock"), lambda holder: RegenError(
+        f"another run is regenerating into {path} ({holder}): let it finish (this run then finds its answers in the "
+        "cache), or give this run another data.regen.dir"))
 
 
 class LocalTarget:

@@ -323,6 +323,35 @@ def test_a_save_cut_short_by_a_crash_never_outranks_the_checkpoint_latest_names(
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step0000006"]
 
 
+def test_a_checkpoint_deleted_by_hand_resumes_from_the_one_before(prepared, tmp_path, monkeypatch):
+    """`latest` names a tag that is gone: the run resumes from the newest checkpoint before it (complete: `latest`
+    named it before), not from scratch deleting every checkpoint."""
+    base = ["stages=[train]", "train.checkpoint_every=2", "train.keep_checkpoints=3", "train.max_steps=6"]
+    cfg = fresh_run(prepared, tmp_path, *base)
+    run_stages(cfg)
+    ckpt = stage_dir(cfg, "train") / "checkpoints"
+    shutil.rmtree(ckpt / "step0000006")
+    lines = logged(monkeypatch)
+    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", *base, "train.eval_every=100"]))
+    assert any("resuming from step0000004" in line for line in lines), lines
+    assert not any("starting fresh" in line for line in lines)
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step0000002", "step0000004", "step0000006"]
+
+
+def test_a_second_run_in_the_same_run_directory_stops_at_once(tmp_path):
+    """Two runs in one run directory would rewrite each other's markers and rotate each other's checkpoints: the
+    second stops before any stage, naming the holder and the fix."""
+    from train.stages import run_dir_lock
+
+    cfg = make_cfg([*BASE, f"output_root={tmp_path}"])
+    with run_dir_lock(cfg):
+        with pytest.raises(UserError, match=rf"another run is using .* \(pid {os.getpid()} on .*run_dir="):
+            with run_dir_lock(cfg):
+                pass
+    with run_dir_lock(cfg):   # released with its holder
+        pass
+
+
 def test_a_best_head_saved_after_the_last_checkpoint_stays_the_best(prepared, tmp_path, monkeypatch):
     """A crash after head/ took a new best (step 4) and before the next checkpoint: the resumed run restored the
     checkpoint's best score (step 2's), so any later validation above that replaced the better head; and the

@@ -894,11 +894,20 @@ def replan(state: dict, planned_steps: int, warmup: int, min_ratio: float, reach
 
 def latest_checkpoint(ckpt_dir: Path) -> tuple[str, dict] | None:
     """(tag, ``client.json``) of the checkpoint ``<ckpt_dir>/latest`` names, as rank 0 reads them (every rank
-    decides alike); None when there is no complete one."""
-    latest = ckpt_dir / "latest"
-    meta = ckpt_dir / latest.read_text().strip() / "client.json" if dist.is_main() and latest.exists() else None
-    return dist.broadcast((meta.parent.name, json.loads(meta.read_text())) if meta is not None and meta.exists()
-                          else None)
+    decides alike); None when there is no complete one. When that tag is gone (deleted by hand), the newest tag
+    before it: complete, as ``latest`` named it before (a tag after it may be a save a crash cut short)."""
+    found = None
+    if dist.is_main() and (ckpt_dir / "latest").exists():
+        named = (ckpt_dir / "latest").read_text().strip()
+        tags = sorted(p.parent.name for p in ckpt_dir.glob("step*/client.json") if p.parent.name <= named)
+        if tags:
+            found = (tags[-1], json.loads((ckpt_dir / tags[-1] / "client.json").read_text()))
+            if tags[-1] != named:   # `latest` names it again (a save of the gone tag's step is no rewrite)
+                log(f"[train] {ckpt_dir / named}, which `latest` names, is gone: resuming from {tags[-1]}, the newest "
+                    "checkpoint before it")
+                (ckpt_dir / "latest.tmp").write_text(tags[-1])
+                os.replace(ckpt_dir / "latest.tmp", ckpt_dir / "latest")
+    return dist.broadcast(found)
 
 
 def checkpoint_per_step(client: dict) -> int:

@@ -40,7 +40,7 @@ def run(cfg: DictConfig) -> None:
     from train import dist
     from train.checks import preflight, validate
     from train.log import log
-    from train.stages import run_stages
+    from train.stages import run_dir_lock, run_stages
     from train.target import resolve_device
     from train.tracking import finish
 
@@ -53,13 +53,14 @@ def run(cfg: DictConfig) -> None:
         if dist.is_main():
             print_plan(cfg)
         return
-    dist.init(resolve_device(cfg.device), timeout_minutes=cfg.dist_timeout_minutes)
-    log(summary_line(cfg))
-    try:
-        run_stages(cfg)
-    finally:
-        finish()
-    dist.close()
+    with run_dir_lock(cfg):   # (rank 0) before the ranks meet: a second run stops at once, the launcher stops the rest
+        dist.init(resolve_device(cfg.device), timeout_minutes=cfg.dist_timeout_minutes)
+        log(summary_line(cfg))
+        try:
+            run_stages(cfg)
+        finally:
+            finish()
+        dist.close()
 
 
 def debug(cfg: DictConfig | None = None) -> bool:

@@ -12,21 +12,23 @@ partial work it finds, e.g. extraction shards, training checkpoints, eval record
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import hashlib
 import importlib
 import json
 import os
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from train import dist
-from train.errors import MissingStageError
+from train.errors import MissingStageError, UserError
 from train.log import log
 
 ORDER = ["data", "extract", "train", "eval", "export", "publish"]
@@ -95,6 +97,34 @@ HEARTBEAT_S, STALE_S = 30.0, 600.0
 
 def stage_dir(cfg: DictConfig, name: str) -> Path:
     return Path(cfg.run_dir) / name
+
+
+@contextmanager
+def exclusive(lock: Path, refuse: Callable[[str], Exception]) -> Iterator[None]:
+    """Hold the file ``lock`` alone for the block: while another process holds it, ``refuse(holder)`` is raised at
+    once (no wait that could outlast a collective timeout), ``holder`` naming its pid, host and start. The lock ends
+    with its process, also on a crash."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise refuse(f.read().strip() or "holder unknown") from None
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        yield
+
+
+def run_dir_lock(cfg: DictConfig):
+    """Rank 0 holds the run directory alone (:func:`exclusive`): a second run in it (``make demo`` in two shells, a
+    requeued job beside its survivor) would rewrite the same markers and rotate the same training checkpoints."""
+    if not dist.is_main():
+        return nullcontext()
+    return exclusive(Path(cfg.run_dir) / ".lock", lambda holder: UserError(
+        f"another run is using {cfg.run_dir} ({holder}): let it finish, or give this one its own run directory "
+        "(output_root=..., model.name=... or run_dir=...)"))
 
 
 UPSTREAM = {"extract": ["data"], "train": ["data", "extract"], "eval": ["train"], "export": ["train", "eval"],
