@@ -338,6 +338,25 @@ def test_a_checkpoint_deleted_by_hand_resumes_from_the_one_before(prepared, tmp_
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step0000002", "step0000004", "step0000006"]
 
 
+def test_a_forgotten_data_override_is_refused_before_it_overwrites_what_the_checkpoints_were_made_on(prepared,
+                                                                                                    tmp_path):
+    """A resume without an override the data (or extract) stage was made with would rerun it, overwrite its output
+    and only then find the training checkpoints refused: refused before any stage, naming the key; force=[train]
+    (start over) or force=[data] (rebuild it anyway) go on."""
+    cfg = fresh_run(prepared, tmp_path, "stages=[train]", "train.max_steps=3")
+    run_stages(cfg)
+    data_marker = read_marker(cfg, "data")
+    forgot = [*BASE, f"output_root={tmp_path}", "data.max_length=512"]   # stages: all
+    with pytest.raises(UserError, match=r"the data stage would run again for data.max_length=2048 \(this command: "
+                                        r"512\).*checkpoints.*step0000003.*force=\[train\]"):
+        run_stages(make_cfg(forgot))
+    assert read_marker(cfg, "data") == data_marker      # nothing ran
+    assert stages.orphaned_checkpoints(make_cfg([*BASE, f"output_root={tmp_path}", "extract.dtype=bfloat16"]))
+    for ok in ("force=[train]", "force=[data]", "stages=[train]"):   # (train alone: its data stays as it is)
+        assert stages.orphaned_checkpoints(make_cfg([*forgot, ok])) is None, ok
+    assert stages.orphaned_checkpoints(make_cfg([*BASE, f"output_root={tmp_path}"])) is None   # the same command
+
+
 def test_a_second_run_in_the_same_run_directory_stops_at_once(tmp_path):
     """Two runs in one run directory would rewrite each other's markers and rotate each other's checkpoints: the
     second stops before any stage, naming the holder and the fix."""

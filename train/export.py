@@ -30,9 +30,9 @@ from heads.frozen import TargetWeights
 from train.errors import UserError
 from train.log import log
 from train.stages import (
+    config_changes,
     current_marker,
     fingerprint,
-    flat_config,
     read_marker,
     require,
     stage_dir,
@@ -115,14 +115,8 @@ def check_card_config(cfg: DictConfig, error: type[UserError]) -> None:
         marker = read_marker(cfg, stage)
         if marker is None or marker.get("fingerprint") == fingerprint(cfg, stage):
             continue
-        made, now = marker.get("config"), flat_config(cfg, stage)
-        if made is None:   # a marker written before markers kept their config
-            what = "other settings"
-        elif keys := sorted(k for k in made.keys() | now.keys() if made.get(k) != now.get(k)):
-            what = ", ".join(f"{k}={made.get(k)!r} (this command: {now.get(k)!r})" for k in keys[:8])
-            what += f" and {len(keys) - 8} more" if len(keys) > 8 else ""
-        else:
-            what = "the same keys over other upstream outputs (rerun them)"
+        changes = config_changes(cfg, stage, marker)
+        what = changes or ("other settings" if changes is None else "the same keys over other upstream outputs (rerun them)")
         raise error(f"the {stage} stage in {cfg.run_dir} was made with {what}, and the model card would describe "
                     f"this command's: repeat the overrides the head was trained with")
 

@@ -189,6 +189,35 @@ def flat_config(cfg: DictConfig, name: str) -> dict:
     return json.loads(json.dumps(flat, default=str))
 
 
+def config_changes(cfg: DictConfig, name: str, marker: dict) -> str | None:
+    """How this config's keys of stage ``name`` differ from those ``marker`` was made with (``key=old (this
+    command: new)``, the first 8), "" when none does; None for a marker written before markers kept their config."""
+    made, now = marker.get("config"), flat_config(cfg, name)
+    if made is None:
+        return None
+    keys = sorted(k for k in made.keys() | now.keys() if made.get(k) != now.get(k))
+    return ", ".join(f"{k}={made.get(k)!r} (this command: {now.get(k)!r})" for k in keys[:8]) + (
+        f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+
+
+def orphaned_checkpoints(cfg: DictConfig) -> str | None:
+    """Why this command would throw the training checkpoints away, else None: a stage before train that reruns for
+    a changed key (an override forgotten on a resume) rewrites the data they were made on, and the train stage
+    refuses them only after it (hours of regeneration and extraction at 8B, the old outputs then overwritten)."""
+    latest = stage_dir(cfg, "train") / "checkpoints" / "latest"
+    if "train" not in cfg.stages or "train" in cfg.force or not latest.exists():
+        return None
+    for name in upstream(cfg, "train"):
+        marker = read_marker(cfg, name)
+        if name not in cfg.stages or name in cfg.force or not marker or marker["fingerprint"] == fingerprint(cfg, name):
+            continue
+        if changes := config_changes(cfg, name, marker):
+            return (f"the {name} stage would run again for {changes}, and the training checkpoints in {latest.parent} "
+                    f"(latest {latest.read_text().strip()}) were made on its output as it is: set the old value(s) "
+                    "back to resume them, or add force=[train] to start over with this command's settings")
+    return None
+
+
 def current_marker(cfg: DictConfig, name: str) -> dict | None:
     """The marker of stage ``name`` when what it wrote is of the current config and upstream outputs (its
     fingerprint is today's), else None: e.g. an eval report of a head trained before."""
@@ -264,6 +293,8 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
     unknown = [s for s in list(cfg.stages) + list(cfg.force) if s not in ORDER]
     if unknown:
         raise ValueError(f"Unknown stage(s) {unknown}; valid stages, in order: {ORDER}")
+    if why := dist.broadcast(orphaned_checkpoints(cfg) if dist.is_main() else None):
+        raise UserError(why)
     results = {}
     for name in [s for s in ORDER if s in cfg.stages]:
         if name in skipped(cfg):
