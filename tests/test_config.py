@@ -166,10 +166,24 @@ def test_every_sized_key_rejects_a_non_number(key):
     ("eval.temperatures=0.7", "eval.temperatures=0.7 must be a list, e.g. eval.temperatures=[0.7]"),
     ("eval.datasets=humaneval", "eval.datasets='humaneval' must be a list"),
     ("head.type=medusa", "head.type=medusa over the eagle3 head's settings: choose the head with head=medusa"),
+    ("train.zero_stage=3", "train.zero_stage=3 is not supported: the head would be saved from partitioned"),
+    ("eval.methods=[plain,medusa-tree]", "eval.methods has medusa-tree, which needs a medusa head: this run trains a "
+                                         "eagle3 head"),
 ])
 def test_ranges_and_head_dependent_values(override, message):
     found = problems(make_cfg(["model=tiny-llama", override]))
     assert any(p.startswith(message) for p in found), found
+
+
+def test_eval_settings_of_another_head_are_refused_before_training():
+    """A method or a Medusa tree the trained head cannot run failed in the eval stage, after the training."""
+    medusa = ["model=tiny-llama", "head=medusa"]
+    assert any("eval.methods has eagle3+ngram-tree, which needs a eagle3 head" in p
+               for p in problems(make_cfg([*medusa, "eval.methods=[plain,eagle3+ngram-tree]"])))
+    assert any("eval.medusa_choices [0, 0, 0, 0] reaches depth 4, but head.num_heads=3" in p
+               for p in problems(make_cfg([*medusa, "eval.medusa_choices=[[0],[0,0,0,0]]", "head.num_heads=3"])))
+    assert problems(make_cfg([*medusa, "eval.methods=[plain,ngram,medusa+ngram-tree]",
+                              "eval.medusa_choices=[[0],[0,0,0]]", "head.num_heads=3"])) == []
 
 
 @pytest.mark.parametrize("model", [*MODELS, "tiny-qwen3"])

@@ -144,14 +144,6 @@ def test_unsorted_or_repeated_taps_are_refused():
             head_config("eagle3", config, cfg.head, 64)
 
 
-def test_zero3_head_training_is_refused(tmp_path):
-    from train.loop import run
-
-    cfg = make_cfg(["model=tiny-llama", "train.zero_stage=3", f"output_root={tmp_path}"])
-    with pytest.raises(ValueError, match="zero_stage=3 is not supported"):
-        run(cfg)
-
-
 def test_a_hub_targets_identity_does_not_change_when_its_weights_arrive(tmp_path, monkeypatch):
     """A Hub target's regeneration cache is keyed before its weights are downloaded (config and tokenizer
     only) and looked up again after: the identity of a Hub snapshot is its repository, commit and config, so

@@ -61,7 +61,7 @@ ENUMS = {
     "train.optimizer": ("adamw", "muon"),
     "train.grad_accum_dtype": ("fp32", "bf16", "fp16"),
     "train.autocast": (None, "bfloat16", "float16"),
-    "train.zero_stage": (0, 1, 2, 3),  # 3 is refused by the train stage, with the reason
+    "train.zero_stage": (0, 1, 2, 3),  # 3 is refused in problems(), with the reason
     "eval.datasets": ("builtin", "humaneval"),
     "eval.share_baselines": (True, False),
     "eval.methods": ("auto", *METHODS),
@@ -164,6 +164,20 @@ def problems(cfg: DictConfig) -> list[str]:
     if head_name and head_type in ENUMS["head.type"] and head_name != head_type:   # (a typo: refused above)
         out.append(f"head.type={head_type} over the {head_name} head's settings: choose the head with "
                    f"head={head_type} (its config group), not head.type")
+    if OmegaConf.select(cfg, "train.zero_stage") == 3:
+        out.append("train.zero_stage=3 is not supported: the head would be saved from partitioned (empty) parameters. "
+                   "A draft head fits one GPU; use train.zero_stage=1 or 2 to shard its optimizer state")
+    methods = OmegaConf.select(cfg, "eval.methods", default=None)
+    for method in methods if OmegaConf.is_list(methods) else []:   # a head's methods need that head
+        kind = str(method).partition("-")[0].removesuffix("+ngram")
+        if kind in ENUMS["head.type"] and kind != head_type:
+            out.append(f"eval.methods has {method}, which needs a {kind} head: this run trains a {head_type} head "
+                       f"(head={kind}, or drop the method)")
+    choices, heads = OmegaConf.select(cfg, "eval.medusa_choices", default=None), OmegaConf.select(cfg, "head.num_heads")
+    if head_type == "medusa" and OmegaConf.is_list(choices) and heads:
+        if deep := [list(c) for c in choices if len(c) > heads]:
+            out.append(f"eval.medusa_choices {deep[0]} reaches depth {len(deep[0])}, but head.num_heads={heads}: "
+                       "each path has at most one index per head")
     for i, source in enumerate(OmegaConf.select(cfg, "data.sources", default=None) or []):
         if not OmegaConf.is_dict(source):
             out.append(f"data.sources[{i}]={source!r} must be a mapping like {{path: file.jsonl}}")

@@ -39,7 +39,7 @@ from data.vocab import build_vocab, coverage
 from heads.frozen import TargetWeights
 from heads.io import build_head, head_config, save_head
 from train import dist, stages
-from train.errors import ConfigError, UserError
+from train.errors import UserError
 from train.extract import Captures, ExtractError, batches, capture, capture_layers
 from train.log import log, peak_rss_gib, progress
 from train.losses import StepStats, eagle3_loss, full_argmax, medusa_loss, target_view
@@ -386,12 +386,10 @@ def deepspeed_config(tcfg: DictConfig, dtype: torch.dtype) -> dict:
 
 
 def setup_process(cfg: DictConfig) -> tuple[torch.device, torch.dtype]:
-    """Refuse what cannot run (ZeRO-3, missing upstream stages, a memory estimate above free memory), then
-    bind this rank's device, join the process group, set the threads and seed. Returns (device, dtype)."""
+    """Refuse what cannot run (missing upstream stages, a memory estimate above free memory; ZeRO-3 is refused
+    before any stage: train.checks), then bind this rank's device, join the process group, set the threads and
+    seed. Returns (device, dtype)."""
     tcfg = cfg.train
-    if tcfg.zero_stage == 3:
-        raise ConfigError("train.zero_stage=3 is not supported: the head would be saved from partitioned (empty) "
-                         "parameters. A draft head fits one GPU; use train.zero_stage=1 or 2 to shard its optimizer state.")
     require(cfg, "data")
     if not tcfg.online:
         require(cfg, "extract")
