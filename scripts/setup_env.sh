@@ -16,7 +16,15 @@ stamp="$VENV/.specheads-installed-$key"
 [ -f "$stamp" ] && exit 0
 
 echo "[setup] installing into $VENV (torch: $TORCH_SPEC)"
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+ok() { "$1" -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null; }
+if ! ok "$PYTHON"; then
+    echo "[setup] error: $PYTHON is not Python 3.11 or newer; give one with PYTHON=python3.11 (or newer)" >&2
+    exit 1
+fi
+# a venv of another Python, or one a failed creation left without pip (Debian without python3-venv): made again
+if ! { ok "$VENV/bin/python" && "$VENV/bin/python" -m pip --version >/dev/null 2>&1; }; then
+    "$PYTHON" -m venv --clear "$VENV"
+fi
 pip=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 # shellcheck disable=SC2086
 "${pip[@]}" $TORCH_SPEC
