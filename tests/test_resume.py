@@ -185,6 +185,28 @@ def test_changed_result_key_refuses_and_force_starts_over(prepared, tmp_path, mo
     assert sum("starting over" in line for line in lines) == 2
 
 
+def test_a_forced_run_repeated_after_a_crash_resumes_what_it_started(prepared, tmp_path, monkeypatch):
+    """The command that starts over with force=[train] (as the refusal of old checkpoints says) is what a user
+    repeats after a crash: it resumes the run the force started instead of deleting it too; once that run has
+    finished, force=[train] starts over again."""
+    forced = fresh_run(prepared, tmp_path, "stages=[train]", "force=[train]")
+    ckpt = stage_dir(forced, "train") / "checkpoints"
+    real = train.loop.Trainer.finish
+    monkeypatch.setattr(train.loop.Trainer, "finish", lambda self: (_ for _ in ()).throw(RuntimeError("crash")))
+    with pytest.raises(RuntimeError, match="crash"):
+        run_stages(forced)
+    assert (ckpt / train.loop.FORCED).exists() and (ckpt / "latest").read_text() == "step0000006"
+    monkeypatch.setattr(train.loop.Trainer, "finish", real)
+    lines = logged(monkeypatch)
+    run_stages(forced)
+    assert any("did not finish: resuming from step0000006" in line for line in lines), lines
+    assert not any("deleting" in line for line in lines) and not (ckpt / train.loop.FORCED).exists()
+    assert [m["step"] for m in train_metrics(forced)] == list(range(1, 7))   # trained once
+    run_stages(forced)   # finished: force=[train] starts over
+    assert any("deleting" in line for line in lines)
+    assert [m["step"] for m in train_metrics(forced)][-6:] == list(range(1, 7))
+
+
 def test_another_rank_count_resumes_with_the_same_micro_batches_per_step(tmp_path):
     """A checkpoint made on 8 ranks x accumulation 1 resumes on 4 x 2, 2 x 4 or 1 x 8 (the same rows in each step,
     the same schedule); 3 ranks cannot share its 8 micro-batches: refused, naming the rank counts that can and

@@ -48,6 +48,8 @@ from train.stages import RESUMABLE, fingerprint, flat_config, require, stage_dir
 from train.target import load_layer_weights, load_target, load_weights, resolve_device, resolve_dtype
 from train.tracking import Tracker
 
+FORCED = "forced.json"  # in the checkpoints: the identity force=[train] started over with, until that run finishes
+
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
 
@@ -568,6 +570,16 @@ class Trainer:
                 f"Adam's moments only): resume on {client['world']} ranks, or add force=[train] to start over")
         return (tcfg if accum == tcfg.grad_accum else OmegaConf.merge(tcfg, {"grad_accum": accum})), universal
 
+    def start_over(self) -> None:
+        """Delete the checkpoints. Under ``force=[train]`` note the settings it started over with (:data:`FORCED`,
+        deleted when the run finishes): the same command again after a crash resumes what it started, not deleting
+        hours of it too."""
+        if self.ckpt_dir.exists():
+            _remove_checkpoints(self.ckpt_dir)
+        if "train" in self.cfg.force and dist.is_main():
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            (self.ckpt_dir / FORCED).write_text(json.dumps(self.identity))
+
     def lr_ratio(self, step: int) -> float:
         """The learning-rate multiplier at ``step`` under the current plan (``state`` changes when refitted)."""
         t, s = self.tcfg, self.state
@@ -582,10 +594,9 @@ class Trainer:
         if dist.is_main() and (self.out / "head.old").exists() and not (self.out / "head").exists():
             (self.out / "head.old").rename(self.out / "head")   # a crash inside save_best: the previous best head
         if self.latest is None:
-            if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
-                if "train" not in cfg.force:  # a crash before the first checkpoint completed: nothing to resume
-                    log(f"[train] {ckpt_dir} holds no complete checkpoint; starting fresh")
-                _remove_checkpoints(ckpt_dir)
+            if ckpt_dir.exists() and any(p.name != FORCED for p in ckpt_dir.iterdir()) and "train" not in cfg.force:
+                log(f"[train] {ckpt_dir} holds no complete checkpoint; starting fresh")  # a crash before the first
+            self.start_over()
             return
         tag, client = self.latest
         changed = checkpoint_changes(client, self.identity)
@@ -595,12 +606,17 @@ class Trainer:
         if checkpoint_per_step(client) == self.per_step:  # another split of the same step (fit_to_checkpoint)
             changed = [k for k in changed if k != "train.grad_accum"]
         blocking = [k for k in changed if k not in RESUMABLE["train"]]
-        if "train" in cfg.force:
+        forced = ckpt_dir / FORCED
+        if "train" in cfg.force and not changed and dist.broadcast(
+                forced.exists() and json.loads(forced.read_text()) == self.identity if dist.is_main() else None):
+            log(f"[train] force=[train] started these checkpoints over with these very settings and the run did not "
+                f"finish: resuming from {tag} (delete {ckpt_dir} to start over once more)")
+        elif "train" in cfg.force:
             log(f"[train] force=[train]: deleting {ckpt_dir} and starting over"
                 + (f" ({', '.join(blocking)} changed)" if blocking else ""))
-            _remove_checkpoints(ckpt_dir)
+            self.start_over()
             return
-        if blocking:
+        elif blocking:
             raise CheckpointMismatchError(
                 f"the training checkpoints in {ckpt_dir} were made with other settings: {', '.join(blocking)} "
                 f"changed. Add force=[train] to start over (the checkpoints are then deleted), or set the "
@@ -851,6 +867,7 @@ class Trainer:
                    "config": OmegaConf.to_container(self.tcfg, resolve=True)}
         if dist.is_main():
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
+            (self.ckpt_dir / FORCED).unlink(missing_ok=True)   # finished: a force=[train] again starts over again
         self.tracker.summary({f"best/{k}": v for k, v in best.items() if isinstance(v, (int, float))})
         log(f"[train] done: {state['step']} steps in {elapsed / 60:.1f} min, {summary['tokens_per_s']} tok/s; "
             f"best validation sim_tau {best['sim_tau']:.3f} (step {best['step']}) -> {out / 'head'}")
