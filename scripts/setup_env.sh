@@ -16,7 +16,7 @@ stamp="$VENV/.specheads-installed-$key"
 [ -f "$stamp" ] && exit 0
 
 echo "[setup] installing into $VENV (torch: $TORCH_SPEC)"
-ok() { "$1" -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null; }
+ok() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }
 if ! ok "$PYTHON"; then
     echo "[setup] error: $PYTHON is not Python 3.11 or newer; give one with PYTHON=python3.11 (or newer)" >&2
     exit 1

@@ -378,7 +378,26 @@ def test_a_forgotten_data_override_is_refused_before_it_overwrites_what_the_chec
     assert stages.orphaned_checkpoints(make_cfg([*BASE, f"output_root={tmp_path}", "extract.dtype=bfloat16"]))
     for ok in ("force=[train]", "force=[data]", "stages=[train]"):   # (train alone: its data stays as it is)
         assert stages.orphaned_checkpoints(make_cfg([*forgot, ok])) is None, ok
+    # extract reruns for how it computes (extract.batch_tokens) but finds its shards done: nothing at stake
+    assert stages.orphaned_checkpoints(make_cfg([*BASE, f"output_root={tmp_path}", "extract.batch_tokens=999"])) is None
     assert stages.orphaned_checkpoints(make_cfg([*BASE, f"output_root={tmp_path}"])) is None   # the same command
+
+
+def test_markers_made_before_the_fingerprint_rules_of_2026_12_06_stay_current(prepared, tmp_path, monkeypatch):
+    """A run made with an explicit dtype before extract counted it (or with model.path and model.hub_id before the
+    Hub id stopped counting there) has a marker of the old fingerprint: it is taken as current (rewritten with
+    today's), and neither the stage reruns nor the training checkpoints are refused."""
+    cfg = fresh_run(prepared, tmp_path, "stages=[data,extract,train]", "dtype=float32", "train.max_steps=3")
+    marker_path = stage_dir(cfg, "extract") / stages.MARKER
+    old = {**read_marker(cfg, "extract"), "fingerprint": stages.fingerprint(cfg, "extract", legacy=True)}
+    assert old["fingerprint"] != stages.fingerprint(cfg, "extract")
+    marker_path.write_text(json.dumps(old))     # as the version before wrote it
+    lines = []
+    monkeypatch.setattr(stages, "log", lambda msg, *a: lines.append(msg))
+    run_stages(cfg)
+    assert any("[extract] up to date" in line for line in lines), lines
+    assert read_marker(cfg, "extract")["fingerprint"] == stages.fingerprint(cfg, "extract")
+    assert read_marker(cfg, "extract")["output_id"] == old["output_id"]
 
 
 def test_a_second_run_in_the_same_run_directory_stops_at_once(tmp_path):

@@ -45,7 +45,7 @@ from train import dist
 from train.errors import UserError
 from train.log import log, peak_rss_gib, progress
 from train.losses import full_argmax
-from train.stages import MARKER, fingerprint, require, stage_dir
+from train.stages import HOW, MARKER, fingerprint, require, stage_dir
 from train.target import (
     load_config,
     load_target,
@@ -131,11 +131,6 @@ def padded(rows: list, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids[j, : len(row)] = torch.as_tensor(row)
         mask[j, : len(row)] = 1
     return ids, mask
-
-
-# Extract keys that change how the states are computed, not what they are: a shard written under other values
-# is complete. They still count in the stage's fingerprint (the stage reruns, and finds its shards done).
-HOW = ("extract.batch_tokens", "extract.zero_stage", "extract.source", "extract.reuse")
 
 
 def _complete(path: Path, fp: str) -> bool:
@@ -236,7 +231,7 @@ def run(cfg: DictConfig) -> dict:
     ds = load_dataset(cfg)
     lengths = {s: row_lengths(ds[s]) for s in SPLITS}
     shards = plan_shards(lengths, bytes_per_token, cfg.extract.shard_mb)
-    fp = fingerprint(cfg, "extract", ignore=HOW)
+    fp = fingerprint(cfg, "extract", ignore=HOW["extract"])
     dataset_id = data_manifest["dataset_id"]
     ready = ReadyStates(cfg, ds, lengths, layers, data_manifest["target_fingerprint"], dataset_id)
     todo = needed = None

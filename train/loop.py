@@ -515,6 +515,9 @@ class Trainer:
         self.device, self.dtype = setup_process(cfg)
         self.world, self.rank = dist.world_size(), dist.rank()
         self.latest = latest_checkpoint(self.ckpt_dir)  # rank 0's (tag, client.json) of the checkpoint to resume
+        self.fingerprint, self.identity = fingerprint(cfg, "train"), checkpoint_identity(cfg)
+        # force=[train] starts over, but for the run it started itself, repeated after a crash: that one resumes
+        self.force = "train" in cfg.force and not dist.broadcast(self.forced_resume() if dist.is_main() else None)
         self.tcfg, self.universal = self.fit_to_checkpoint()
         self.per_step = self.world * self.tcfg.grad_accum
         # Offline, the head needs three tensors of the target (embedding, lm_head, final norm), read from its
@@ -543,7 +546,6 @@ class Trainer:
         torch.manual_seed(cfg.seed + self.rank)
         random.seed(cfg.seed + self.rank)
         self.average = Average(self.model, self.tcfg.ema) if self.tcfg.ema else None
-        self.fingerprint, self.identity = fingerprint(cfg, "train"), checkpoint_identity(cfg)
 
     def fit_to_checkpoint(self) -> tuple[DictConfig, bool]:
         """The ``train`` settings to resume the latest checkpoint with, and whether its optimizer shards are loaded
@@ -554,7 +556,7 @@ class Trainer:
         universal format (:func:`to_universal`). A ``train.grad_accum`` changed on purpose is refused by
         :meth:`resume` (a result key)."""
         tcfg = self.cfg.train
-        if self.latest is None or "train" in self.cfg.force or "world" not in self.latest[1]:  # (made before: as then)
+        if self.latest is None or self.force or "world" not in self.latest[1]:  # (made before: as then)
             return tcfg, False
         tag, client = self.latest
         accum = tcfg.grad_accum
@@ -570,11 +572,19 @@ class Trainer:
                 f"Adam's moments only): resume on {client['world']} ranks, or add force=[train] to start over")
         return (tcfg if accum == tcfg.grad_accum else OmegaConf.merge(tcfg, {"grad_accum": accum})), universal
 
+    def forced_resume(self) -> bool:
+        """(Rank 0) Whether ``force=[train]`` resumes: its checkpoints were started over by a force with these very
+        settings (:data:`FORCED`) and that run did not finish."""
+        forced = self.ckpt_dir / FORCED
+        return (self.latest is not None and forced.exists() and json.loads(forced.read_text()) == self.identity
+                and not checkpoint_changes(self.latest[1], self.identity)
+                and self.latest[1].get("dtype") in (None, str(self.dtype).removeprefix("torch.")))
+
     def start_over(self) -> None:
         """Delete the checkpoints. Under ``force=[train]`` note the settings it started over with (:data:`FORCED`,
         deleted when the run finishes): the same command again after a crash resumes what it started, not deleting
         hours of it too."""
-        if self.ckpt_dir.exists():
+        if dist.broadcast(self.ckpt_dir.exists() if dist.is_main() else None):   # (rank 0's view: one pairing)
             _remove_checkpoints(self.ckpt_dir)
         if "train" in self.cfg.force and dist.is_main():
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -587,7 +597,7 @@ class Trainer:
 
     def resume(self) -> None:
         """Continue from the latest complete checkpoint. ``force=[train]`` deletes the checkpoints and starts
-        over; without it, one made with other result keys is refused (:class:`CheckpointMismatchError`); a
+        over (but for the run it started itself, repeated after a crash: :meth:`forced_resume`); without it, one made with other result keys is refused (:class:`CheckpointMismatchError`); a
         changed budget refits the schedule (:func:`replan`); changed validation settings score from scratch; the
         leftovers of a crash before the first checkpoint are deleted."""
         cfg, state, ckpt_dir = self.cfg, self.state, self.ckpt_dir
@@ -606,17 +616,15 @@ class Trainer:
         if checkpoint_per_step(client) == self.per_step:  # another split of the same step (fit_to_checkpoint)
             changed = [k for k in changed if k != "train.grad_accum"]
         blocking = [k for k in changed if k not in RESUMABLE["train"]]
-        forced = ckpt_dir / FORCED
-        if "train" in cfg.force and not changed and dist.broadcast(
-                forced.exists() and json.loads(forced.read_text()) == self.identity if dist.is_main() else None):
-            log(f"[train] force=[train] started these checkpoints over with these very settings and the run did not "
-                f"finish: resuming from {tag} (delete {ckpt_dir} to start over once more)")
-        elif "train" in cfg.force:
+        if self.force:
             log(f"[train] force=[train]: deleting {ckpt_dir} and starting over"
                 + (f" ({', '.join(blocking)} changed)" if blocking else ""))
             self.start_over()
             return
-        elif blocking:
+        if "train" in cfg.force:
+            log(f"[train] force=[train] started these checkpoints over with these very settings and the run did not "
+                f"finish: resuming from {tag} (delete {ckpt_dir} to start over once more)")
+        if blocking:
             raise CheckpointMismatchError(
                 f"the training checkpoints in {ckpt_dir} were made with other settings: {', '.join(blocking)} "
                 f"changed. Add force=[train] to start over (the checkpoints are then deleted), or set the "

@@ -45,7 +45,6 @@ def run(cfg: DictConfig) -> None:
     from train.tracking import finish
 
     validate(cfg)  # every enum, size and share at once, before any plan, weight or stage
-    preflight(cfg)  # a publish token, a W&B login: what a later stage needs from outside
     quiet_libraries()
     if cfg.plan:  # before any process group, weights or stage: rank 0 prints, every rank exits
         from train.plan import print_plan
@@ -53,6 +52,7 @@ def run(cfg: DictConfig) -> None:
         if dist.is_main():
             print_plan(cfg)
         return
+    preflight(cfg)  # a publish token, a W&B login: what a later stage needs from outside
     with run_dir_lock(cfg):   # (rank 0) before the ranks meet: a second run stops at once, the launcher stops the rest
         dist.init(resolve_device(cfg.device), timeout_minutes=cfg.dist_timeout_minutes)
         log(summary_line(cfg))

@@ -64,6 +64,9 @@ IGNORED = {
               "train.prefetch"],
     "eval": ["eval.num_threads", "eval.shared_dir"],
 }
+# Keys that change how a stage computes, not what: they count in its fingerprint (it reruns), but work written under
+# other values is complete (extract's shards are found done), so its output and what follows stay.
+HOW = {"extract": ("extract.batch_tokens", "extract.zero_stage", "extract.source", "extract.reuse")}
 # Keys added after runs were made, with the value that reproduces those runs: at that value a key does not
 # count, so a finished stage (or a checkpoint) made before the key existed stays valid after an upgrade.
 ADDED = {"head.dropout": 0.0, "data.train_rows": None, "head.ttt_reach_topk": 0, "train.autocast": None,
@@ -110,7 +113,11 @@ def exclusive(lock: Path, refuse: Callable[[str], Exception]) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
-            raise refuse(f.read().strip() or "holder unknown") from None
+            raise refuse(f"{f.read().strip() or 'holder unknown'}; its lock: {lock}") from None
+        except OSError as e:   # a filesystem without flock (Lustre without -o flock, NFS with nolock)
+            log(f"warning: {lock} cannot be locked ({e.strerror}): nothing keeps a second run out of it")
+            yield
+            return
         f.truncate(0)
         f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         f.flush()
@@ -146,7 +153,7 @@ def read_marker(cfg: DictConfig, name: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def config_parts(cfg: DictConfig, name: str, ignore: tuple[str, ...] = ()) -> dict:
+def config_parts(cfg: DictConfig, name: str, ignore: tuple[str, ...] = (), legacy: bool = False) -> dict:
     """The resolved values of the keys stage ``name`` depends on, :data:`IGNORED` keys and ``ignore`` removed,
     and :data:`ADDED` keys at the value that reproduces runs made before them."""
     parts = {}
@@ -167,7 +174,9 @@ def config_parts(cfg: DictConfig, name: str, ignore: tuple[str, ...] = ()) -> di
         for k in path:
             node = node.get(k) or {}
         node.pop(leaf, None)
-    if name in ("data", "extract") and cfg.model.source == "hf" and cfg.model.path:
+    if legacy and name == "extract":   # the keys before 2026-12-06 (migrate_markers)
+        parts.pop("dtype", None)
+    if not legacy and name in ("data", "extract") and cfg.model.source == "hf" and cfg.model.path:
         parts["model"]["hub_id"] = None  # only names the target in model cards (the export stage's key) when a
         #                                  local copy is what loads: adding it for a card redoes no 7-8B pass
     return parts
@@ -189,13 +198,14 @@ def flat_config(cfg: DictConfig, name: str) -> dict:
     return json.loads(json.dumps(flat, default=str))
 
 
-def config_changes(cfg: DictConfig, name: str, marker: dict) -> str | None:
+def config_changes(cfg: DictConfig, name: str, marker: dict, ignore: tuple[str, ...] = ()) -> str | None:
     """How this config's keys of stage ``name`` differ from those ``marker`` was made with (``key=old (this
-    command: new)``, the first 8), "" when none does; None for a marker written before markers kept their config."""
+    command: new)``, the first 8; not ``ignore``), "" when none does; None for a marker written before markers kept
+    their config."""
     made, now = marker.get("config"), flat_config(cfg, name)
     if made is None:
         return None
-    keys = sorted(k for k in made.keys() | now.keys() if made.get(k) != now.get(k))
+    keys = sorted(k for k in made.keys() | now.keys() if made.get(k) != now.get(k) and k not in ignore)
     return ", ".join(f"{k}={made.get(k)!r} (this command: {now.get(k)!r})" for k in keys[:8]) + (
         f" and {len(keys) - 8} more" if len(keys) > 8 else "")
 
@@ -211,10 +221,11 @@ def orphaned_checkpoints(cfg: DictConfig) -> str | None:
         marker = read_marker(cfg, name)
         if name not in cfg.stages or name in cfg.force or not marker or marker["fingerprint"] == fingerprint(cfg, name):
             continue
-        if changes := config_changes(cfg, name, marker):
+        if changes := config_changes(cfg, name, marker, HOW.get(name, ())):
             return (f"the {name} stage would run again for {changes}, and the training checkpoints in {latest.parent} "
                     f"(latest {latest.read_text().strip()}) were made on its output as it is: set the old value(s) "
-                    "back to resume them, or add force=[train] to start over with this command's settings")
+                    f"back to resume them, add force=[train] to start over with this command's settings, or "
+                    f"force=[{name}] to rebuild it anyway (training resumes if its output comes out the same)")
     return None
 
 
@@ -235,10 +246,10 @@ def upstream_ids(cfg: DictConfig, name: str) -> dict:
     return ids
 
 
-def fingerprint(cfg: DictConfig, name: str, ignore: tuple[str, ...] = ()) -> str:
+def fingerprint(cfg: DictConfig, name: str, ignore: tuple[str, ...] = (), legacy: bool = False) -> str:
     """A hash of what stage ``name``'s result depends on: its config keys (:func:`config_parts`, less
-    ``ignore``), the upstream stages' output ids and its format version."""
-    parts = config_parts(cfg, name, ignore)
+    ``ignore``; ``legacy``: as before 2026-12-06), the upstream stages' output ids and its format version."""
+    parts = config_parts(cfg, name, ignore, legacy)
     parts["upstream"] = upstream_ids(cfg, name)
     parts["format_version"] = FORMAT_VERSION.get(name, 1)
     return digest(parts)
@@ -293,6 +304,8 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
     unknown = [s for s in list(cfg.stages) + list(cfg.force) if s not in ORDER]
     if unknown:
         raise ValueError(f"Unknown stage(s) {unknown}; valid stages, in order: {ORDER}")
+    if dist.is_main():
+        migrate_markers(cfg)
     if why := dist.broadcast(orphaned_checkpoints(cfg) if dist.is_main() else None):
         raise UserError(why)
     results = {}
@@ -373,10 +386,24 @@ def _write_marker(cfg: DictConfig, name: str, fp: str, start: float, out: dict |
               "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "outputs": out or {},
               "config": flat_config(cfg, name)}   # what it was made with (a later command's differences named)
     if dist.is_main():
-        tmp = stage_dir(cfg, name) / (MARKER + ".tmp")
-        tmp.write_text(json.dumps(marker, indent=2, default=str))
-        os.replace(tmp, stage_dir(cfg, name) / MARKER)
+        _save_marker(cfg, name, marker)
     return marker
+
+
+def _save_marker(cfg: DictConfig, name: str, marker: dict) -> None:
+    tmp = stage_dir(cfg, name) / (MARKER + ".tmp")
+    tmp.write_text(json.dumps(marker, indent=2, default=str))
+    os.replace(tmp, stage_dir(cfg, name) / MARKER)
+
+
+def migrate_markers(cfg: DictConfig) -> None:
+    """(Rank 0) Give the data and extract markers written before 2026-12-06 (``model.hub_id`` counted beside a
+    ``model.path``; extract did not count ``dtype``) today's fingerprint where they were current then: the change
+    reruns nothing made before it."""
+    for name in ("data", "extract"):
+        marker, fp = read_marker(cfg, name), fingerprint(cfg, name)
+        if marker and marker["fingerprint"] != fp and marker["fingerprint"] == fingerprint(cfg, name, legacy=True):
+            _save_marker(cfg, name, {**marker, "fingerprint": fp, "config": flat_config(cfg, name)})
 
 
 @contextmanager
