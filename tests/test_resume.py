@@ -54,8 +54,6 @@ def fp(name: str, *overrides: str, tmp: Path) -> str:
     ("extract", "extract.disk_margin=2", False),
     ("extract", "extract.dtype=bfloat16", True),
     ("extract", "seed=5", False),
-    ("extract", "dtype=float32", True),                  # the pass computes in it (auto: as before the key counted)
-    ("extract", "dtype=auto", False),
     ("train", "train.log_every=7", False),
     ("train", "train.num_threads=2", False),
     ("train", "train.keep_checkpoints=5", False),
@@ -383,21 +381,28 @@ def test_a_forgotten_data_override_is_refused_before_it_overwrites_what_the_chec
     assert stages.orphaned_checkpoints(make_cfg([*BASE, f"output_root={tmp_path}"])) is None   # the same command
 
 
-def test_markers_made_before_the_fingerprint_rules_of_2026_12_06_stay_current(prepared, tmp_path, monkeypatch):
-    """A run made with an explicit dtype before extract counted it (or with model.path and model.hub_id before the
-    Hub id stopped counting there) has a marker of the old fingerprint: it is taken as current (rewritten with
-    today's), and neither the stage reruns nor the training checkpoints are refused."""
-    cfg = fresh_run(prepared, tmp_path, "stages=[data,extract,train]", "dtype=float32", "train.max_steps=3")
-    marker_path = stage_dir(cfg, "extract") / stages.MARKER
-    old = {**read_marker(cfg, "extract"), "fingerprint": stages.fingerprint(cfg, "extract", legacy=True)}
-    assert old["fingerprint"] != stages.fingerprint(cfg, "extract")
-    marker_path.write_text(json.dumps(old))     # as the version before wrote it
+def test_markers_made_before_the_fingerprint_rules_of_2026_12_06_stay_current(tmp_path, monkeypatch):
+    """A run made with model.path and model.hub_id before the Hub id stopped counting there has data and extract
+    markers of the old fingerprint: they are taken as current (rewritten with today's, their output ids kept), and
+    nothing reruns."""
+    from train.target import target_path
+
+    local = [*BASE, "model.source=hf", f"model.path={target_path(make_cfg(BASE))}", "model.hub_id=org/tiny",
+             f"output_root={tmp_path}", "stages=[data,extract,train]", "train.max_steps=3"]
+    cfg = make_cfg(local)
+    run_stages(cfg)
+    old = {}
+    for name in ("data", "extract"):
+        old[name] = {**read_marker(cfg, name), "fingerprint": stages.fingerprint(cfg, name, legacy=True)}
+        assert old[name]["fingerprint"] != stages.fingerprint(cfg, name)
+        (stage_dir(cfg, name) / stages.MARKER).write_text(json.dumps(old[name]))     # as the version before wrote it
     lines = []
     monkeypatch.setattr(stages, "log", lambda msg, *a: lines.append(msg))
     run_stages(cfg)
-    assert any("[extract] up to date" in line for line in lines), lines
-    assert read_marker(cfg, "extract")["fingerprint"] == stages.fingerprint(cfg, "extract")
-    assert read_marker(cfg, "extract")["output_id"] == old["output_id"]
+    assert all(any(f"[{name}] up to date" in line for line in lines) for name in ("data", "extract", "train")), lines
+    for name in ("data", "extract"):
+        marker = read_marker(cfg, name)
+        assert marker["fingerprint"] == stages.fingerprint(cfg, name) and marker["output_id"] == old[name]["output_id"]
 
 
 def test_a_second_run_in_the_same_run_directory_stops_at_once(tmp_path):

@@ -133,14 +133,14 @@ def padded(rows: list, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _complete(path: Path, fp: str) -> bool:
-    """A shard from this very configuration (an older one, from other settings, is redone; so is one a crash or
-    power loss left torn or empty, which safetensors cannot open)."""
+def _complete(path: Path, fps: set[str]) -> bool:
+    """A shard from this very configuration, one of fingerprints ``fps`` (an older one, from other settings, is
+    redone; so is one a crash or power loss left torn or empty, which safetensors cannot open)."""
     if not path.exists():
         return False
     try:
         with safe_open(str(path), framework="pt") as f:
-            return (f.metadata() or {}).get("fingerprint") == fp
+            return (f.metadata() or {}).get("fingerprint") in fps
     except Exception:  # safetensors' SafetensorError (header too small, file not fully covered), OSError
         return False
 
@@ -239,7 +239,8 @@ def run(cfg: DictConfig) -> dict:
         for f in set(out.glob("*.safetensors")) - {out / s["file"] for s in shards}:
             f.unlink()
         redo = "extract" in cfg.force  # force: every shard again, not only the missing ones
-        todo = {s["file"] for s in shards if redo or not _complete(out / s["file"], fp)}  # ~60k shards at 8B x 1B tokens
+        fps = {fp, fingerprint(cfg, "extract", ignore=HOW["extract"], legacy=True)}  # (shards made before 2026-12-06)
+        todo = {s["file"] for s in shards if redo or not _complete(out / s["file"], fps)}  # ~60k shards at 8B x 1B tokens
         overwritten = sum((out / f).stat().st_size for f in todo if (out / f).exists())
         needed = sum(s["tokens"] for s in shards if s["file"] in todo) * (bytes_per_token + 4) - overwritten
     # Rank 0's view, on every rank (ranks reading the files themselves could disagree on a shared filesystem, and

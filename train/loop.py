@@ -44,11 +44,9 @@ from train.extract import Captures, ExtractError, batches, capture, capture_laye
 from train.log import log, peak_rss_gib, progress
 from train.losses import StepStats, eagle3_loss, full_argmax, medusa_loss, target_view
 from train.plan import check_train_memory
-from train.stages import RESUMABLE, fingerprint, flat_config, require, stage_dir, upstream_ids
+from train.stages import FORCED, RESUMABLE, fingerprint, flat_config, require, stage_dir, upstream_ids
 from train.target import load_layer_weights, load_target, load_weights, resolve_device, resolve_dtype
 from train.tracking import Tracker
-
-FORCED = "forced.json"  # in the checkpoints: the identity force=[train] started over with, until that run finishes
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -518,7 +516,13 @@ class Trainer:
         self.fingerprint, self.identity = fingerprint(cfg, "train"), checkpoint_identity(cfg)
         # force=[train] starts over, but for the run it started itself, repeated after a crash: that one resumes
         self.force = "train" in cfg.force and not dist.broadcast(self.forced_resume() if dist.is_main() else None)
-        self.tcfg, self.universal = self.fit_to_checkpoint()
+        try:
+            self.tcfg, self.universal = self.fit_to_checkpoint()
+        except CheckpointMismatchError:   # (alike on every rank: `latest` is rank 0's) a forced run that cannot
+            if "train" not in cfg.force:  # resume here (another rank count) starts over, as its force says
+                raise
+            self.force = True
+            self.tcfg, self.universal = self.fit_to_checkpoint()
         self.per_step = self.world * self.tcfg.grad_accum
         # Offline, the head needs three tensors of the target (embedding, lm_head, final norm), read from its
         # files; only online training (hidden states computed on the fly) loads the whole target.
@@ -575,20 +579,23 @@ class Trainer:
     def forced_resume(self) -> bool:
         """(Rank 0) Whether ``force=[train]`` resumes: its checkpoints were started over by a force with these very
         settings (:data:`FORCED`) and that run did not finish."""
-        forced = self.ckpt_dir / FORCED
-        return (self.latest is not None and forced.exists() and json.loads(forced.read_text()) == self.identity
-                and not checkpoint_changes(self.latest[1], self.identity)
+        try:
+            forced = json.loads((self.ckpt_dir / FORCED).read_text())
+        except (OSError, ValueError):   # none, or torn by a power loss
+            return False
+        return (self.latest is not None and forced == self.identity and not checkpoint_changes(self.latest[1], self.identity)
                 and self.latest[1].get("dtype") in (None, str(self.dtype).removeprefix("torch.")))
 
     def start_over(self) -> None:
         """Delete the checkpoints. Under ``force=[train]`` note the settings it started over with (:data:`FORCED`,
-        deleted when the run finishes): the same command again after a crash resumes what it started, not deleting
-        hours of it too."""
+        deleted once the command has run every stage: ``train.stages.run_stages``): the same command again after a
+        crash, in training or a stage after it, resumes what it started, not deleting hours of it too."""
         if dist.broadcast(self.ckpt_dir.exists() if dist.is_main() else None):   # (rank 0's view: one pairing)
             _remove_checkpoints(self.ckpt_dir)
         if "train" in self.cfg.force and dist.is_main():
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-            (self.ckpt_dir / FORCED).write_text(json.dumps(self.identity))
+            (self.ckpt_dir / f"{FORCED}.tmp").write_text(json.dumps(self.identity))
+            os.replace(self.ckpt_dir / f"{FORCED}.tmp", self.ckpt_dir / FORCED)
 
     def lr_ratio(self, step: int) -> float:
         """The learning-rate multiplier at ``step`` under the current plan (``state`` changes when refitted)."""
@@ -875,7 +882,6 @@ class Trainer:
                    "config": OmegaConf.to_container(self.tcfg, resolve=True)}
         if dist.is_main():
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
-            (self.ckpt_dir / FORCED).unlink(missing_ok=True)   # finished: a force=[train] again starts over again
         self.tracker.summary({f"best/{k}": v for k, v in best.items() if isinstance(v, (int, float))})
         log(f"[train] done: {state['step']} steps in {elapsed / 60:.1f} min, {summary['tokens_per_s']} tok/s; "
             f"best validation sim_tau {best['sim_tau']:.3f} (step {best['step']}) -> {out / 'head'}")

@@ -45,7 +45,7 @@ ENTRY = {
 # `eval.questions` is there because rows overlapping those prompts are dropped (no other eval key is).
 DEPENDS = {
     "data": ["model", "data", "eval.questions", "seed"],  # not head.draft_vocab_size: the train stage builds it
-    "extract": ["model", "head.type", "head.aux_layers", "extract", "dtype"],  # dtype: what the pass computes in
+    "extract": ["model", "head.type", "head.aux_layers", "extract"],
     "train": ["head", "train", "seed"],
     "eval": ["eval", "seed", "data.system_prompt", "data.thinking", "dtype", "device"],  # eval.dtype=auto follows dtype
     "export": ["export", "publish.repo_id", "model.hub_id"],  # the model card names the repo and the target
@@ -92,6 +92,7 @@ FORMAT_VERSION = {"data": 2, "extract": 2, "export": 3}  # export 2: vLLM EAGLE-
 # for the stage's marker file (multi-node runs need the run directory on a shared filesystem).
 DISTRIBUTED = {"extract", "train"}
 MARKER = "_complete.json"
+FORCED = "forced.json"  # in train/checkpoints: the identity force=[train] started over with, until its command ends
 FAILED = "_failed.json"  # written by rank 0 when a rank-0-only stage raises: the waiting ranks stop too
 ALIVE = "_alive"  # heartbeats (a counter rewritten every HEARTBEAT_S): rank 0 in a rank-0-only stage, `_alive.rank<r>`
 #                   rank r regenerating its share of the data stage
@@ -116,11 +117,10 @@ def exclusive(lock: Path, refuse: Callable[[str], Exception]) -> Iterator[None]:
             raise refuse(f"{f.read().strip() or 'holder unknown'}; its lock: {lock}") from None
         except OSError as e:   # a filesystem without flock (Lustre without -o flock, NFS with nolock)
             log(f"warning: {lock} cannot be locked ({e.strerror}): nothing keeps a second run out of it")
-            yield
-            return
-        f.truncate(0)
-        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        f.flush()
+        else:
+            f.truncate(0)
+            f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            f.flush()
         yield
 
 
@@ -174,8 +174,6 @@ def config_parts(cfg: DictConfig, name: str, ignore: tuple[str, ...] = (), legac
         for k in path:
             node = node.get(k) or {}
         node.pop(leaf, None)
-    if legacy and name == "extract":   # the keys before 2026-12-06 (migrate_markers)
-        parts.pop("dtype", None)
     if not legacy and name in ("data", "extract") and cfg.model.source == "hf" and cfg.model.path:
         parts["model"]["hub_id"] = None  # only names the target in model cards (the export stage's key) when a
         #                                  local copy is what loads: adding it for a card redoes no 7-8B pass
@@ -248,7 +246,8 @@ def upstream_ids(cfg: DictConfig, name: str) -> dict:
 
 def fingerprint(cfg: DictConfig, name: str, ignore: tuple[str, ...] = (), legacy: bool = False) -> str:
     """A hash of what stage ``name``'s result depends on: its config keys (:func:`config_parts`, less
-    ``ignore``; ``legacy``: as before 2026-12-06), the upstream stages' output ids and its format version."""
+    ``ignore``; ``legacy``: before 2026-12-06, ``model.hub_id`` counted beside a ``model.path``), the upstream
+    stages' output ids and its format version."""
     parts = config_parts(cfg, name, ignore, legacy)
     parts["upstream"] = upstream_ids(cfg, name)
     parts["format_version"] = FORMAT_VERSION.get(name, 1)
@@ -351,6 +350,8 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
         dist.barrier()
         log(f"[{name}] done in {marker['wall_s']} s")
         results[name] = marker
+    if dist.is_main():   # the command has done all it was asked: a force=[train] again starts over again
+        (stage_dir(cfg, "train") / "checkpoints" / FORCED).unlink(missing_ok=True)
     return results
 
 
@@ -398,12 +399,14 @@ def _save_marker(cfg: DictConfig, name: str, marker: dict) -> None:
 
 def migrate_markers(cfg: DictConfig) -> None:
     """(Rank 0) Give the data and extract markers written before 2026-12-06 (``model.hub_id`` counted beside a
-    ``model.path``; extract did not count ``dtype``) today's fingerprint where they were current then: the change
-    reruns nothing made before it."""
+    ``model.path``) today's fingerprint where they were current then (the Hub id never changed what they computed):
+    the change reruns nothing made before it. Their output ids stay (a marker older than output ids: its old
+    fingerprint), and with them the training checkpoints' identity."""
     for name in ("data", "extract"):
         marker, fp = read_marker(cfg, name), fingerprint(cfg, name)
         if marker and marker["fingerprint"] != fp and marker["fingerprint"] == fingerprint(cfg, name, legacy=True):
-            _save_marker(cfg, name, {**marker, "fingerprint": fp, "config": flat_config(cfg, name)})
+            _save_marker(cfg, name, {**marker, "fingerprint": fp, "config": flat_config(cfg, name),
+                                     "output_id": marker.get("output_id") or marker["fingerprint"]})
 
 
 @contextmanager
