@@ -36,6 +36,7 @@ from safetensors.torch import load_file
 
 from data.stage import load_dataset, row_lengths
 from data.vocab import build_vocab, coverage
+from eval.shared import write_atomic
 from heads.frozen import TargetWeights
 from heads.io import build_head, head_config, save_head
 from train import dist, stages
@@ -594,8 +595,7 @@ class Trainer:
             _remove_checkpoints(self.ckpt_dir)
         if "train" in self.cfg.force and dist.is_main():
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-            (self.ckpt_dir / f"{FORCED}.tmp").write_text(json.dumps(self.identity))
-            os.replace(self.ckpt_dir / f"{FORCED}.tmp", self.ckpt_dir / FORCED)
+            write_atomic(self.ckpt_dir / FORCED, json.dumps(self.identity))
 
     def lr_ratio(self, step: int) -> float:
         """The learning-rate multiplier at ``step`` under the current plan (``state`` changes when refitted)."""
@@ -839,8 +839,7 @@ class Trainer:
                                     exclude_frozen_parameters=True)
         dist.barrier()  # every rank's shards written: only now may `latest` name this tag (DeepSpeed's own `latest`
         if dist.is_main():  # is written by rank 0 before the other ranks have finished theirs)
-            (ckpt_dir / "latest.tmp").write_text(tag)
-            os.replace(ckpt_dir / "latest.tmp", ckpt_dir / "latest")
+            write_atomic(ckpt_dir / "latest", tag)
             # the newest up to this one; a tag past it is a save a crash cut short (this run resumed before it):
             # kept by name, it would outrank this one and the rotation would delete the checkpoint `latest` names
             tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step"))
@@ -934,8 +933,7 @@ def latest_checkpoint(ckpt_dir: Path) -> tuple[str, dict] | None:
             if tags[-1] != named:   # `latest` names it again (a save of the gone tag's step is no rewrite)
                 log(f"[train] {ckpt_dir / named}, which `latest` names, is gone: resuming from {tags[-1]}, the newest "
                     "checkpoint before it")
-                (ckpt_dir / "latest.tmp").write_text(tags[-1])
-                os.replace(ckpt_dir / "latest.tmp", ckpt_dir / "latest")
+                write_atomic(ckpt_dir / "latest", tags[-1])
     return dist.broadcast(found)
 
 
