@@ -3,7 +3,7 @@
 All three fill the same resumable cache file (:mod:`data.regenerate`: one JSON line per finished turn,
 appended and fsync'ed, the last line of a key wins) from the same prompts: the conversation rendered with
 the TARGET's chat template by :func:`data.template.prompt_ids`, and the same sampling settings
-(``data.regen.temperature``/``top_p``/``max_new_tokens``, the tokenizer's and generation config's EOS ids).
+(``data.regen.temperature``/``top_p``/``top_k``/``max_new_tokens``, the tokenizer's and generation config's EOS ids).
 
 - ``hf``: batched generation in this process (:func:`data.regenerate.regenerate`). Under
   ``deepspeed``/``torchrun`` every rank regenerates its share (conversation i of the de-duplicated list
@@ -398,7 +398,7 @@ class OpenAIClient:
         return self.model
 
     def complete(self, ids: list[int], eos: set[int], seed: int, max_tokens: int, temperature: float,
-                 top_p: float) -> dict:
+                 top_p: float, top_k: int = 0) -> dict:
         """One answer: the first choice of ``/completions`` for the prompt token ids, with ``usage``; at most
         ``max_tokens`` tokens and what the server's context leaves (SGLang refuses a prompt + max_tokens beyond
         it, vLLM cuts). ``seed`` is sent when sampling (``temperature`` > 0)."""
@@ -408,9 +408,9 @@ class OpenAIClient:
             room = min(room, self.max_model_len - len(ids))
         body = {"model": model, "prompt": ids, "max_tokens": int(room),
                 "temperature": float(temperature), "top_p": float(top_p), "n": 1, "stream": False,
-                # what the hf backend does: no top-k/min-p/penalties (whatever the model's generation
-                # config proposes), stop at exactly its EOS ids
-                "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                # what the hf backend does: top-k only where set (0: off), no min-p/penalties (whatever the
+                # model's generation config proposes), stop at exactly its EOS ids
+                "top_k": int(top_k) if top_k > 0 else -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
                 "frequency_penalty": 0.0, "stop_token_ids": sorted(eos), "skip_special_tokens": True,
                 "return_token_ids": True}
         if temperature > 0:  # one seed per request: vLLM's noise is a function of (seed, position, token)
@@ -499,7 +499,7 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
                     return
             choice = client.complete(ids, eos, request_seed(rcfg.seed, row["key"], turn),
                                      answer_room(len(ids), rcfg.max_new_tokens, max_length), rcfg.temperature,
-                                     rcfg.top_p)
+                                     rcfg.top_p, rcfg.top_k)
             with lock:
                 message, n, hit_eos = client.answer(choice, tokenizer, eos)
                 add_answer(row, message, n, hit_eos, len(ids), rcfg.max_new_tokens, max_length)

@@ -44,13 +44,13 @@ CAP_MARGIN = 16  # answer tokens generated past data.max_length (answer_room)
 
 
 def next_tokens(logits: torch.Tensor, temperature: float, top_p: float,
-                generator: torch.Generator | list[torch.Generator] | None):
+                generator: torch.Generator | list[torch.Generator] | None, top_k: int = 0):
     """The next token of each row: greedy at temperature 0, else sampled with ``generator``. A list: CPU generators,
     one per row, each drawing one uniform number per step (the same draws on any device), then inverse CDF over
     all rows at once (a ``torch.multinomial`` per row waits on the GPU at each call, 256 of them per step)."""
     if temperature <= 0:
         return logits.max(-1).indices  # = argmax, faster on bf16 logits (train.losses.full_argmax)
-    probs = warp(logits, temperature, top_p)
+    probs = warp(logits, temperature, top_p, top_k)
     if isinstance(generator, list):
         u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generator]).to(probs.device)
         # float64, and a token of probability 0 (top-p) repeats its left neighbour's sum exactly: a GPU's parallel
@@ -77,7 +77,7 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
            eos_ids: set[int], pad_id: int, temperature: float = 0.0, top_p: float = 1.0,
            generator: torch.Generator | Callable[[Hashable], torch.Generator] | None = None,
            layers: list[int] | None = None, tail: Tail | None = None,
-           max_length: int | None = None) -> Iterator[list[tuple[Hashable, Answer]]]:
+           max_length: int | None = None, top_k: int = 0) -> Iterator[list[tuple[Hashable, Answer]]]:
     """Continuous batching: answers the ``(job, prompt ids)`` of ``queue``, yielding the jobs that finished
     after each step. The caller may append to ``queue`` between yields (a conversation's next turn).
 
@@ -135,7 +135,7 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
             return
         answering = [j for j, job in enumerate(jobs) if job not in ended]
         gens = [generator(jobs[j]) for j in answering] if callable(generator) else generator
-        sampled = iter(next_tokens(logits[answering], temperature, top_p, gens).tolist() if answering else [])
+        sampled = iter(next_tokens(logits[answering], temperature, top_p, gens, top_k).tolist() if answering else [])
         feed: list[int | None] = []  # the token each row feeds next; None: the row leaves
         finished = []
         for job in jobs:
@@ -209,6 +209,8 @@ def _keep(kept: dict, jobs: list, out, layers: list[int] | None, last: list[int]
 def cache_file(directory: str, target_fp: str, rcfg, system_prompt: str | None, thinking: bool | None = None) -> Path:
     """The cache of one target and generation setting (``data.thinking`` included when set)."""
     settings = f"{target_fp}-n{rcfg.max_new_tokens}-t{rcfg.temperature}-p{rcfg.top_p}-s{rcfg.seed}-{system_prompt!r}"
+    if rcfg.top_k:   # a key added 2026-12-07: the caches made before it stay found
+        settings += f"-k{rcfg.top_k}"
     if thinking is not None:
         settings += f"-thinking{thinking}"
     return Path(directory) / f"{hashlib.sha256(settings.encode()).hexdigest()[:16]}.jsonl"
@@ -330,7 +332,7 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
     with appending(path) as f, _on_out_of_memory(rcfg.batch_size, path, flush):
         for finished in stream(model, queue, rcfg.batch_size, refill, rcfg.max_new_tokens, eos, tokenizer.pad_token_id,
                                rcfg.temperature, rcfg.top_p, generators.__getitem__ if rcfg.temperature > 0 else None, layers,
-                               partial(_template_tail, tokenizer, state, prompts, fulls), max_length):
+                               partial(_template_tail, tokenizer, state, prompts, fulls), max_length, rcfg.top_k):
             for key, a in finished:
                 r = state[key]
                 generators.pop(key, None)

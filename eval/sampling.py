@@ -31,10 +31,15 @@ class Sampling:
         return self.temperature <= 0
 
 
-def warp(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """Probabilities over the last dim after temperature and top-p (as ``transformers``' warpers: the
-    smallest set of most likely tokens whose mass reaches ``top_p`` is kept)."""
+def warp(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """Probabilities over the last dim after temperature, top-k and top-p, in that order (as ``transformers``'
+    warpers and vLLM's sampler: ``top_k`` > 0 keeps the tokens at least as likely as the k-th, then the smallest
+    set of the most likely of those whose renormalised mass reaches ``top_p``)."""
     probs = torch.softmax(logits.float() / temperature, -1)
+    if 0 < top_k < probs.shape[-1]:
+        kth = probs.topk(top_k, -1).values[..., -1:]
+        probs = probs.masked_fill(probs < kth, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(-1)
         drop = sorted_probs.cumsum(-1) <= 1 - top_p

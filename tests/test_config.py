@@ -105,10 +105,10 @@ def test_full_training_preset_extends_the_default():
 
 
 def test_qwen3_regenerates_with_the_sampling_its_card_asks_for_reasoning():
-    """Qwen3's reasoning is sampled (0.6 / 0.95: greedy loops until max_new_tokens); the other targets regenerate
+    """Qwen3's reasoning is sampled (0.6 / 0.95 / top-k 20: greedy loops until max_new_tokens); the other targets regenerate
     greedily; an override still wins."""
     regen = make_cfg(["model=qwen3-8b"]).data.regen
-    assert (regen.temperature, regen.top_p) == (0.6, 0.95)
+    assert (regen.temperature, regen.top_p, regen.top_k) == (0.6, 0.95, 20)
     for model in ("qwen2.5-7b", "llama3.1-8b", "smollm2-135m"):
         assert make_cfg([f"model={model}"]).data.regen.temperature == 0.0
     assert make_cfg(["model=qwen3-8b", "data.regen.temperature=0"]).data.regen.temperature == 0

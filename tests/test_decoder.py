@@ -169,12 +169,15 @@ def test_ngram_lookup():
 
 
 def test_warp_matches_transformers():
-    from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
-    for temperature, top_p in ((1.0, 1.0), (0.7, 0.9), (1.3, 0.5)):
-        scores = TopPLogitsWarper(top_p)(None, TemperatureLogitsWarper(temperature)(None, logits.clone()))
-        torch.testing.assert_close(warp(logits, temperature, top_p), torch.softmax(scores, -1))
+    for temperature, top_p, top_k in ((1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 0.5, 0), (0.6, 0.95, 20), (1.0, 1.0, 3)):
+        scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+        if top_k:
+            scores = TopKLogitsWarper(top_k)(None, scores)
+        scores = TopPLogitsWarper(top_p)(None, scores)
+        torch.testing.assert_close(warp(logits, temperature, top_p, top_k), torch.softmax(scores, -1))
 
 
 def test_typical_acceptance_is_opt_in_and_follows_its_rule():

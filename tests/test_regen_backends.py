@@ -7,6 +7,7 @@ DeepSpeed CPU ranks against 1 process, and the ``vllm`` backend on the default t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from data.engines import OpenAIClient, RegenError, VLLMServer, regenerate_openai
-from data.regenerate import CAP_MARGIN, eos_ids, read_cache, regenerate
+from data.regenerate import CAP_MARGIN, cache_file, eos_ids, read_cache, regenerate
 from data.template import prompt_ids
 from tests.conftest import ROOT, LoggedRun, child_env, generate, make_cfg
 from train.target import load_target, load_tokenizer
@@ -148,7 +149,7 @@ def test_openai_backend_writes_what_hf_writes(tiny, reference, tmp_path):
     # prompts went as the target's chat-template token ids, with the hf sampling settings
     first = stub.requests[0]
     assert first["model"] == "stub-target" and first["max_tokens"] == 12 and first["temperature"] == 0.0
-    assert first["top_p"] == 1.0 and first["stop_token_ids"] == sorted(eos)
+    assert first["top_p"] == 1.0 and first["top_k"] == -1 and first["stop_token_ids"] == sorted(eos)
     assert any(r["prompt"] == prompt_ids(tok, [{"role": "user", "content": "question 1"}]) for r in stub.requests)
     assert len(stub.requests) == 7 + 3  # one request per user turn
 
@@ -331,6 +332,31 @@ def test_each_sampled_answer_has_its_own_seed(tiny, tmp_path):
             stub.close()
         seeds.append({(tuple(r["prompt"]), r["seed"]) for r in stub.requests})
     assert seeds[0] == seeds[1] and len({seed for _, seed in seeds[0]}) == len(seeds[0]) == 10
+
+
+def test_top_k_reaches_every_backend_and_keys_its_own_cache(tiny, reference, tmp_path):
+    """``data.regen.top_k`` 1 samples the likeliest token at any temperature: the hf backend's answers at
+    temperature 1 are then its greedy ones (a random tiny target's near-flat distribution samples others), and the
+    server backends send it. Top-k 0 (off) keeps the cache file of the settings before the key existed."""
+    model, tok, rcfg, eos = tiny
+    rcfg = rcfg.copy()
+    rcfg.temperature = 1.0
+    regenerate(CONVS, model, tok, rcfg, None, tmp_path / "sampled.jsonl")
+    assert read_cache(tmp_path / "sampled.jsonl") != reference
+    rcfg.top_k = 1
+    regenerate(CONVS, model, tok, rcfg, None, tmp_path / "top1.jsonl")
+    assert read_cache(tmp_path / "top1.jsonl") == reference
+    stub = stub_for(tiny)
+    try:
+        regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "openai.jsonl", OpenAIClient(stub.url, None, 30, 0, 3), eos)
+    finally:
+        stub.close()
+    assert {r["top_k"] for r in stub.requests} == {1}
+    rcfg.top_k = 0
+    before = hashlib.sha256(b"fp-n12-t1.0-p1.0-s0-None").hexdigest()[:16]   # the key's format until 2026-12-07
+    assert cache_file("d", "fp", rcfg, None) == Path("d") / f"{before}.jsonl"
+    rcfg.top_k = 20
+    assert cache_file("d", "fp", rcfg, None) != Path("d") / f"{before}.jsonl"
 
 
 @pytest.mark.parametrize("args, gpus, cpu_build, added, used, error", [

@@ -69,6 +69,8 @@ def fp(name: str, *overrides: str, tmp: Path) -> str:
     ("train", "~head.dropout", False),                  # a run made before the key existed: 0.0 reproduces it
     ("data", "data.train_rows=3", True),
     ("data", "data.regen.refill=0.5", False),           # how the hf backend batches (as data.regen.batch_size)
+    ("data", "data.regen.top_k=20", True),
+    ("data", "~data.regen.top_k", False),               # 0 (off) reproduces the runs made before the key
     ("data", "data.num_proc=2", False),
     ("eval", "dtype=float32", True),                     # eval.dtype=auto follows it
     ("eval", "eval.min_speedup=1.5", True),              # the report's recommendation (its decodes are kept)
