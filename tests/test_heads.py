@@ -13,7 +13,17 @@ from omegaconf import OmegaConf
 from heads import Eagle3Config, Eagle3Head, MedusaConfig, MedusaHead, load_head, save_head
 from heads.eagle3 import KVCache, TTTCache
 from train.extract import capture
-from train.losses import eagle3_loss, full_argmax, medusa_loss, shift, soft_ce, target_view, weights
+from train.losses import (
+    TargetView,
+    eagle3_loss,
+    full_argmax,
+    loss_counts,
+    medusa_loss,
+    shift,
+    soft_ce,
+    target_view,
+    weights,
+)
 from train.target import load_target
 
 HEAD_CFG = OmegaConf.create({"aux_layers": None, "hidden_size": None, "intermediate_size": None,
@@ -189,7 +199,7 @@ def target_entropy(view, lengths, mask) -> float:
     """The floor of the soft cross-entropy (the target's own entropy, weighted as the 3-step loss): the
     overfit tests compare the excess over it (the KL)."""
     return sum(0.8**k * soft_ce(shift(view.log_p, 1 + k), shift(view.log_p, 1 + k),
-                                weights(view, lengths, mask, k, "all")).item() for k in range(3))
+                                weights(view.in_vocab, lengths, mask, k, "all")).item() for k in range(3))
 
 
 def test_eagle3_overfits_tiny_set(tiny_llama_cfg):
@@ -220,6 +230,58 @@ def test_medusa_overfits_tiny_set(tiny_llama_cfg):
     losses, accs = overfit(head, lambda: medusa_loss(head, states[:, :, -1], ids, lengths, mask, view,
                                                      0.8, "all", "ce"), 100)
     assert losses[-1] < 0.7 * losses[0]
+
+
+@pytest.mark.parametrize("kind, loss", [("eagle3", "kl"), ("eagle3", "tv"), ("medusa", "ce"), ("medusa", "kl_mix")])
+def test_token_norm_gives_a_step_the_gradient_of_its_rows_in_one_batch(tiny_llama_cfg, kind, loss):
+    """train.loss_norm=token: a step of two micro-batches, one row with many loss positions and three rows with few
+    (assistant tokens only), averaged as DeepSpeed averages micro-batches, has the gradient of its four rows in one
+    batch; each micro-batch's own mean (loss_norm=micro_batch) weighs the few positions 2-3x more."""
+    target = load_target(tiny_llama_cfg)
+    n, V = target.config.num_hidden_layers, target.config.vocab_size
+    config = (Eagle3Config if kind == "eagle3" else MedusaConfig).from_target(target.config, HEAD_CFG, V)
+    ids, states, lengths, mask = tiny_batch(target, [*getattr(config, "aux_layers", []), n])
+    mask[1:, : -4] = 0   # rows 1-3: only their last 4 tokens are the assistant's
+    lm_head = target.get_output_embeddings().weight
+    argmax = full_argmax(states[:, :, -1], lm_head)
+    # a draft vocabulary of the target's argmax tokens and half the data's others: some positions leave each out
+    kept = argmax.unique()
+    others = ids.unique()[~torch.isin(ids.unique(), kept)]
+    kept = torch.cat([kept[: len(kept) * 3 // 4], others[: len(others) // 2]]).sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[kept] = True
+    torch.manual_seed(0)
+    config = (Eagle3Config if kind == "eagle3" else MedusaConfig).from_target(target.config, HEAD_CFG, len(kept))
+    head = Eagle3Head(config) if kind == "eagle3" else MedusaHead(config)
+    head.set_vocab(kept - torch.arange(len(kept)), t2d)
+    head.init_from_target(target)
+    view = target_view(states[:, :, -1], lm_head[head.draft_ids()], head.t2d, argmax)
+    ce = loss == "ce"
+
+    def grad(rows: list[int], norms: torch.Tensor | None) -> list[torch.Tensor]:
+        part = TargetView(view.log_p[rows], view.argmax[rows], view.in_vocab[rows])
+        head.zero_grad()
+        if kind == "eagle3":
+            out = eagle3_loss(head, states[rows, :, :-1].flatten(2), ids[rows], lengths[rows], mask[rows], part, 3,
+                              0.8, "assistant", loss, norms=norms)
+        else:
+            out = medusa_loss(head, states[rows, :, -1], ids[rows], lengths[rows], mask[rows], part, 0.8, "assistant",
+                              loss, norms=norms)
+        out.loss.backward()
+        return [p.grad.clone() for p in head.parameters() if p.grad is not None]
+
+    steps = 3
+    batches = [[0], [1, 2, 3]]
+    counts = [loss_counts(head.t2d, {"input_ids": ids[r], "lengths": lengths[r], "loss_mask": mask[r],
+                                     "argmax": argmax[r]}, steps, "assistant", ce) for r in batches]
+    assert counts[0][0] > 2 * counts[1][0] > 0
+    norms = sum(counts) / len(batches)
+    whole = grad([0, 1, 2, 3], None)
+    token = [sum(g) / 2 for g in zip(*(grad(r, norms) for r in batches))]
+    own = [sum(g) / 2 for g in zip(*(grad(r, None) for r in batches))]
+    for a, b in zip(token, whole):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert max((a - b).norm() / b.norm() for a, b in zip(own, whole)) > 0.1
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "medusa"])

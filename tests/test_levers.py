@@ -190,7 +190,7 @@ def test_positions_outside_the_draft_vocabulary_count_as_misses(tiny_llama_cfg):
     assert torch.equal(part.weight[0], full.weight[0])  # the same positions counted
     assert summarise(full.correct, full.weight)["acc_0"] == 1.0
     assert summarise(part.correct, part.weight)["acc_0"] == pytest.approx(0.5, abs=0.03)
-    assert torch.equal(weights(part_view, lengths, mask, 0, "all").bool(), part.weight[0].bool() & shift(outside, 1, False))
+    assert torch.equal(weights(part_view.in_vocab, lengths, mask, 0, "all").bool(), part.weight[0].bool() & shift(outside, 1, False))
 
 
 def acceptance(head, taps, ids, view, lengths, mask) -> float:
@@ -198,7 +198,7 @@ def acceptance(head, taps, ids, view, lengths, mask) -> float:
     with torch.no_grad():
         log_q = torch.log_softmax(head.logits(head(head.project(taps), shift(ids, 1),
                                                    torch.arange(ids.shape[1])[None], TTTCache())), -1)
-    w = weights(view, lengths, mask, 0, "all")
+    w = weights(view.in_vocab, lengths, mask, 0, "all")
     alpha = torch.minimum(log_q.exp(), shift(view.log_p, 1).exp()).sum(-1)
     return ((alpha * w).sum() / w.sum()).item()
 
@@ -321,7 +321,7 @@ def test_reach_mask_trains_later_steps_only_where_a_decoder_gets_to(tiny_llama_c
         log_q0 = torch.log_softmax(head.logits(h0), -1)
         log_q1 = torch.log_softmax(head.logits(head(h0, shift(ids, 2), pos + 1, cache)), -1)
         reach = reached(log_q0, view, 0, K)
-        w1 = weights(view, lengths, mask, 1, "all")
+        w1 = weights(view.in_vocab, lengths, mask, 1, "all")
         assert 0.2 < (reach * w1).sum() / w1.sum() < 0.8   # the mask keeps some counted rows, not all
         assert torch.equal(reached(log_q0, view, 0, 1), hits(log_q0, view, 0))
         every = eagle3_loss(head, taps, ids, lengths, mask, view, 2, 0.8, "all", "kl")

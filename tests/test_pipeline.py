@@ -356,6 +356,21 @@ def test_wandb_offline_run_has_the_logged_keys(prepared, tmp_path):
     assert b"<redacted>" in sent and b"hf_secret_in_config" not in sent
 
 
+def test_token_norm_weighs_the_micro_batches_of_a_step_by_their_positions(prepared, tmp_path):
+    """train.loss_norm: with two micro-batches per step token and micro_batch train different heads; with one
+    (one rank, grad_accum 1) the same head, to the bit (the losses' test: token's is the whole step's gradient)."""
+    heads = {}
+    for accum in (1, 2):
+        for norm in ("token", "micro_batch"):
+            cfg = fresh_run(prepared, tmp_path / f"{accum}-{norm}", "stages=[train]", f"train.grad_accum={accum}",
+                            f"train.loss_norm={norm}", "train.max_steps=3")
+            run_stages(cfg)
+            heads[accum, norm] = load_file(str(stage_dir(cfg, "train") / "head/model.safetensors"))
+    one, two = heads[1, "token"], heads[2, "token"]
+    assert all(torch.equal(one[k], heads[1, "micro_batch"][k]) for k in one)
+    assert not all(torch.allclose(two[k], heads[2, "micro_batch"][k]) for k in two if two[k].is_floating_point())
+
+
 @pytest.mark.slow
 def test_two_ranks_train_like_one(prepared, tmp_path):
     """deepspeed --num_gpus 2 (two CPU ranks), accumulation 1 == one rank with accumulation 2."""

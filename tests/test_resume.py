@@ -67,6 +67,8 @@ def fp(name: str, *overrides: str, tmp: Path) -> str:
     ("train", "train.lr=1e-5", True),
     ("train", "head.dropout=0.1", True),
     ("train", "~head.dropout", False),                  # a run made before the key existed: 0.0 reproduces it
+    ("train", "train.loss_norm=micro_batch", True),
+    ("train", "~train.loss_norm", True),                # runs before the key averaged each micro-batch: not today's token
     ("data", "data.train_rows=3", True),
     ("data", "data.regen.refill=0.5", False),           # how the hf backend batches (as data.regen.batch_size)
     ("data", "data.regen.top_k=20", True),

@@ -59,6 +59,7 @@ ENUMS = {
     "extract.zero_stage": (0, 1, 2, 3),
     "train.positions": ("all", "assistant"),
     "train.optimizer": ("adamw", "muon"),
+    "train.loss_norm": ("token", "micro_batch"),
     "train.grad_accum_dtype": ("fp32", "bf16", "fp16"),
     "train.autocast": (None, "bfloat16", "float16"),
     "train.zero_stage": (0, 1, 2, 3),  # 3 is refused in problems(), with the reason

@@ -125,6 +125,14 @@ def barrier() -> None:
             dist.barrier()
 
 
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over the ranks, in place (on the bound device under NCCL); ``t`` itself without a process
+    group."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
 def all_gather_objects(obj):
     """Every rank's ``obj`` as a list ordered by rank (a one-element list without a process group)."""
     if not dist.is_initialized():

@@ -43,7 +43,7 @@ from train import dist, stages
 from train.errors import UserError
 from train.extract import Captures, ExtractError, batches, capture, capture_layers
 from train.log import log, peak_rss_gib, progress
-from train.losses import StepStats, eagle3_loss, full_argmax, medusa_loss, target_view
+from train.losses import StepStats, eagle3_loss, full_argmax, loss_counts, medusa_loss, target_view
 from train.plan import check_train_memory
 from train.stages import FORCED, RESUMABLE, fingerprint, flat_config, require, stage_dir, upstream_ids
 from train.target import load_layer_weights, load_target, load_weights, resolve_device, resolve_dtype
@@ -137,10 +137,11 @@ def prefetch(make: Callable[[list[int]], dict], batches: list[list[int]], depth:
 
 
 def compute(head, kind: str, batch: dict, draft_rows: torch.Tensor, cfg: DictConfig, positions: str,
-            steps: int, autocast: str | None = None) -> StepStats:
+            steps: int, autocast: str | None = None, norms: torch.Tensor | None = None) -> StepStats:
     """The head's loss on one batch over ``steps`` TTT steps (EAGLE-3); ``draft_rows`` = the target's lm_head
     rows of the draft vocabulary. ``autocast`` (a dtype name, ``train.autocast``): the head's forward under
-    ``torch.autocast`` in that dtype; its weights, and the target's distribution it learns, stay as they are."""
+    ``torch.autocast`` in that dtype; its weights, and the target's distribution it learns, stay as they are.
+    ``norms``: each step's divisor in place of the batch's own count of positions (:func:`train.losses.normalised`)."""
     states = batch["states"]
     dtype = next(p for p in head.parameters() if p.requires_grad).dtype
     last = states[:, :, -1]
@@ -150,9 +151,9 @@ def compute(head, kind: str, batch: dict, draft_rows: torch.Tensor, cfg: DictCon
             taps = states[:, :, :-1].flatten(2).to(dtype)
             return eagle3_loss(head, taps, batch["input_ids"], batch["lengths"], batch["loss_mask"], view,
                                steps, cfg.head.ttt_decay, positions, cfg.head.loss, cfg.head.tap_noise,
-                               cfg.head.dropout, cfg.head.ttt_reach_topk, cfg.head.feature_loss, last)
+                               cfg.head.dropout, cfg.head.ttt_reach_topk, cfg.head.feature_loss, last, norms)
         return medusa_loss(head, last.to(dtype), batch["input_ids"], batch["lengths"], batch["loss_mask"], view,
-                           cfg.head.decay, positions, cfg.head.loss, cfg.head.dropout)
+                           cfg.head.decay, positions, cfg.head.loss, cfg.head.dropout, norms)
 
 
 def summarise(correct: list[torch.Tensor], weight: list[torch.Tensor]) -> dict[str, float]:
@@ -734,10 +735,11 @@ class Trainer:
     def step(self, batches: Iterable[dict]) -> list[StepStats]:
         """One optimizer step: forward, backward and the engine's step on each of this rank's micro-batches
         (DeepSpeed steps the optimizer after the last of them)."""
-        stats = []
+        stats, batches = [], list(batches)
+        norms = self.loss_norms(batches) if self.tcfg.loss_norm == "token" and self.per_step > 1 else None
         for batch in batches:
             stats.append(compute(self.model, self.kind, batch, self.draft_rows, self.cfg, self.tcfg.positions,
-                                 _n_steps(self.cfg), self.tcfg.autocast))
+                                 _n_steps(self.cfg), self.tcfg.autocast, norms))
             self.engine.backward(stats[-1].loss)
             self.engine.step()
             self.tokens_seen += batch["tokens"]
@@ -746,6 +748,16 @@ class Trainer:
             self.average.update(self.state["step"])
         self.bar.update(1)
         return stats
+
+    def loss_norms(self, batches: list[dict]) -> torch.Tensor:
+        """``train.loss_norm=token``: each draft step's positions in this optimizer step's micro-batches on every
+        rank (one all-reduce), per micro-batch. DeepSpeed averages the micro-batches' gradients; with each one's
+        loss a sum over its positions divided by this, every position of the step weighs the same, whatever
+        micro-batch and rank it trained in: the step's gradient is that of its rows in one batch. (A step of one
+        micro-batch, its own mean: the same, and not computed.)"""
+        counts = sum(loss_counts(self.model.t2d, batch, _n_steps(self.cfg), self.tcfg.positions,
+                                 self.kind == "medusa" and self.cfg.head.loss == "ce") for batch in batches)
+        return dist.all_reduce_sum(counts) / self.per_step
 
     def fit_to_budget(self) -> bool:
         """With ``train.max_minutes``: whether the budget is spent and, once the warmup steps are timed, the

@@ -72,9 +72,33 @@ def counted(lengths: torch.Tensor, loss_mask: torch.Tensor, k: int, positions: s
     return c & shift(loss_mask.bool(), 2 + k, False) if positions == "assistant" else c
 
 
-def weights(view: TargetView, lengths: torch.Tensor, loss_mask: torch.Tensor, k: int, positions: str) -> torch.Tensor:
-    """[B, T] float loss weight of row t at step/head k: counted, and the target's argmax is in the draft vocabulary."""
-    return (counted(lengths, loss_mask, k, positions) & shift(view.in_vocab, 1 + k, False)).float()
+def weights(in_vocab: torch.Tensor, lengths: torch.Tensor, loss_mask: torch.Tensor, k: int, positions: str,
+            data_in_vocab: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] float loss weight of row t at step/head k: counted, and the target's argmax is in the draft vocabulary
+    (``in_vocab`` [B, T], :attr:`TargetView.in_vocab`); with ``data_in_vocab`` [B, T] (Medusa's ``ce``: whether
+    each data token is in it) also the token row t learns, x[t+2+k]."""
+    w = counted(lengths, loss_mask, k, positions) & shift(in_vocab, 1 + k, False)
+    if data_in_vocab is not None:
+        w = w & shift(data_in_vocab, 2 + k, False)
+    return w.float()
+
+
+def loss_counts(t2d: torch.Tensor, batch: dict, steps: int, positions: str, data_tokens: bool = False) -> torch.Tensor:
+    """[steps] the positions each draft step's (Medusa: head's) loss averages over in ``batch`` (a micro-batch:
+    ``input_ids``, ``lengths``, ``loss_mask``, the target's full-vocabulary ``argmax``), before GRIFFIN's reach mask;
+    ``data_tokens``: Medusa's ``ce`` (:func:`weights`' ``data_in_vocab``). Summed over an optimizer step's
+    micro-batches, what ``train.loss_norm=token`` divides by."""
+    in_vocab, data = t2d[batch["argmax"]], t2d[batch["input_ids"]] if data_tokens else None
+    return torch.stack([weights(in_vocab, batch["lengths"], batch["loss_mask"], k, positions, data).sum()
+                        for k in range(steps)])
+
+
+def normalised(loss_k: torch.Tensor, w: torch.Tensor, norms: torch.Tensor | None, k: int) -> torch.Tensor:
+    """Step k's loss, a mean over this micro-batch's positions (weights ``w``), as its sum divided by ``norms[k]``
+    instead (``train.loss_norm=token``: the step's mean count of positions per micro-batch); None: as it is."""
+    if norms is None:
+        return loss_k
+    return loss_k * w.sum().clamp(min=1.0) / norms[k].clamp(min=1e-6)
 
 
 @dataclass
@@ -165,7 +189,8 @@ def feature_error(out: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
 def eagle3_loss(head: Eagle3Head, taps: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor,
                 loss_mask: torch.Tensor, view: TargetView, steps: int, decay: float, positions: str,
                 loss: str = "kl", tap_noise: float = 0.0, dropout: float = 0.0, reach_topk: int = 0,
-                feature_loss: float = 0.0, last: torch.Tensor | None = None) -> StepStats:
+                feature_loss: float = 0.0, last: torch.Tensor | None = None,
+                norms: torch.Tensor | None = None) -> StepStats:
     """Training-time test: ``steps`` unrolled draft steps, each fed its own previous feature and the
     ground-truth next token; attention across steps as in :class:`heads.eagle3.TTTCache`. ``loss``: see
     :func:`objective`; while the head is training, ``tap_noise`` (:func:`with_tap_noise`) and ``dropout``
@@ -174,7 +199,9 @@ def eagle3_loss(head: Eagle3Head, taps: torch.Tensor, input_ids: torch.Tensor, l
     loss mask, arXiv 2502.11018); the accuracies still count every row. ``feature_loss`` > 0 adds that weight
     times :func:`feature_error` of each step's normed feature against the target's final hidden state ``last``
     at the position it stands for (row t of step k: t + 1 + k), EAGLE-1's feature regression: the lm_head's
-    input distilled in all H directions, not only through the draft vocabulary's softmax."""
+    input distilled in all H directions, not only through the draft vocabulary's softmax. ``norms`` [steps]: each
+    step's objective summed over positions and divided by ``norms[k]`` (:func:`normalised`), not averaged over this
+    micro-batch's (the feature term stays a mean)."""
     B, T = input_ids.shape
     if tap_noise and head.training:
         taps = with_tap_noise(taps, tap_noise, len(head.config.aux_layers))
@@ -188,15 +215,17 @@ def eagle3_loss(head: Eagle3Head, taps: torch.Tensor, input_ids: torch.Tensor, l
     for k in range(steps):
         hidden = head(hidden, shift(input_ids, 1 + k), pos + k, cache)
         log_q = torch.log_softmax(head.logits(hidden).float(), -1)
-        w = weights(view, lengths, loss_mask, k, positions) * reach
+        w = weights(view.in_vocab, lengths, loss_mask, k, positions) * reach
         c = counted(lengths, loss_mask, k, positions).float()
         loss_k = objective(loss, log_q, shift(view.log_p, 1 + k), w)
+        term = normalised(loss_k, w, norms, k)
         if feature_loss:
             err = feature_error(head.norm(hidden), shift(last, 1 + k))
-            loss_k = loss_k + feature_loss * (err * c).sum() / c.sum().clamp(min=1.0)
+            feature = feature_loss * (err * c).sum() / c.sum().clamp(min=1.0)
+            loss_k, term = loss_k + feature, term + feature
         if reach_topk and k + 1 < steps:   # the last step's reach would mask nothing
             reach = reach & reached(log_q.detach(), view, k, reach_topk)
-        total = total + decay**k * loss_k
+        total = total + decay**k * term
         losses.append(loss_k.item())
         correct.append(hits(log_q, view, k))
         ws.append(c)
@@ -205,24 +234,24 @@ def eagle3_loss(head: Eagle3Head, taps: torch.Tensor, input_ids: torch.Tensor, l
 
 def medusa_loss(head: MedusaHead, last: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor,
                 loss_mask: torch.Tensor, view: TargetView, decay: float, positions: str, kind: str,
-                dropout: float = 0.0) -> StepStats:
+                dropout: float = 0.0, norms: torch.Tensor | None = None) -> StepStats:
     """Head k against the data token at t+2+k (``ce``) or the target's distribution there (any other
-    ``kind``: :func:`objective`); ``dropout`` on ``last`` while the head is training."""
+    ``kind``: :func:`objective`); ``dropout`` on ``last`` while the head is training; ``norms`` as
+    :func:`eagle3_loss`'s."""
     t2d, draft_ids = head.t2d, head.draft_ids()
     if dropout and head.training:
         last = F.dropout(last, dropout)
     total, losses, correct, ws = 0.0, [], [], []
     for k, log_q in enumerate(torch.log_softmax(head(last).float(), -1)):
-        w = weights(view, lengths, loss_mask, k, positions)
+        w = weights(view.in_vocab, lengths, loss_mask, k, positions, t2d[input_ids] if kind == "ce" else None)
         if kind == "ce":
             token = shift(input_ids, 2 + k)
-            w = w * t2d[token].float()
             draft = torch.searchsorted(draft_ids, token).clamp(max=draft_ids.numel() - 1)
             loss_k = (F.nll_loss(log_q.transpose(1, 2), draft, reduction="none") * w).sum() / w.sum().clamp(min=1.0)
         else:
             loss_k = objective(kind, log_q, shift(view.log_p, 1 + k), w)
-        total = total + decay**k * loss_k
         losses.append(loss_k.item())
+        total = total + decay**k * normalised(loss_k, w, norms, k)
         correct.append(hits(log_q, view, k))
         ws.append(counted(lengths, loss_mask, k, positions).float())
     return StepStats(total, losses, correct, ws)
