@@ -277,11 +277,11 @@ def test_token_norm_gives_a_step_the_gradient_of_its_rows_in_one_batch(tiny_llam
     assert counts[0][0] > 2 * counts[1][0] > 0
     norms = sum(counts) / len(batches)
     whole = grad([0, 1, 2, 3], None)
-    token = [sum(g) / 2 for g in zip(*(grad(r, norms) for r in batches))]
-    own = [sum(g) / 2 for g in zip(*(grad(r, None) for r in batches))]
-    for a, b in zip(token, whole):
+    token = [sum(g) / 2 for g in zip(*(grad(r, norms) for r in batches), strict=True)]
+    own = [sum(g) / 2 for g in zip(*(grad(r, None) for r in batches), strict=True)]
+    for a, b in zip(token, whole, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    assert max((a - b).norm() / b.norm() for a, b in zip(own, whole)) > 0.1
+    assert max((a - b).norm() / b.norm() for a, b in zip(own, whole, strict=True)) > 0.1
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "medusa"])
