@@ -128,6 +128,21 @@ def test_extract_survives_kill_9(prepared, tmp_path):
     assert not list(out.glob(".*tmp*"))
 
 
+def test_extract_out_of_memory_names_the_fix(prepared, tmp_path, monkeypatch):
+    import train.extract
+    from train.extract import ExtractMemoryError
+
+    cfg = fresh_run(prepared, tmp_path, "stages=[extract]", "extract.source=pass", "extract.batch_tokens=512",
+                    stages=("data",))
+
+    def short_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(train.extract, "capture", short_of_memory)
+    with pytest.raises(ExtractMemoryError, match=r"e\.g\. extract\.batch_tokens=256, or, .* set extract\.zero_stage=3"):
+        run_stages(cfg)
+
+
 def test_zero3_extract_equals_plain_extract(prepared, tmp_path):
     """extract.zero_stage=3 (parameters partitioned by DeepSpeed, lm_head gathered) captures the same tensors."""
     cfg = fresh_run(prepared, tmp_path, stages=("data",))

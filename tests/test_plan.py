@@ -61,6 +61,12 @@ def test_plan_figures_follow_the_config(cfg_factory):
     assert bigger["train"]["memory"].items["activations"] > 1.9 * base.items["activations"]
     assert deeper["train"]["memory"].items["activations"] > base.items["activations"]
     assert p["eval"]["memory"].items["target weights"] == pytest.approx(7.62e9 * 2, rel=0.01)
+    # ZeRO-3 extraction: a share of the weights, and the whole (padded) lm_head gathered for the argmax on every rank
+    zero3 = planner.extract_memory(cfg_factory("model=qwen2.5-7b", "extract.zero_stage=3"), p["shapes"],
+                                   torch.bfloat16, 8)
+    assert zero3.items["target weights"] == pytest.approx(7.62e9 * 2 / 8, rel=0.01)
+    assert zero3.items["gathered lm_head"] == 152064 * 3584 * 2
+    assert zero3.peak > zero3.items["target weights"] + zero3.items["gathered lm_head"]
     huge = planner.plan(cfg_factory("model=qwen2.5-7b", "planner.tokens=10000000000000"))
     assert "DISK TOO SMALL" in planner.format_plan(huge)
     # online training has no extract stage: no disk to refuse

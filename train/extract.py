@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -212,6 +213,27 @@ def _full_weight(param: torch.Tensor, zero_stage: int) -> torch.Tensor:
         return param.detach().clone()
 
 
+class ExtractMemoryError(UserError):
+    """The target ran out of device memory in the extract stage (names the fix)."""
+
+
+@contextmanager
+def _names_the_fix_when_out_of_memory(cfg: DictConfig) -> Iterator[None]:
+    """Out of device memory loading the target or in a forward pass: one line saying what to change (the shards
+    written so far are complete files; a rerun continues after them)."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        tokens, zero3 = cfg.extract.batch_tokens, cfg.extract.zero_stage == 3
+        held = "its ZeRO-3 share of the target and the gathered lm_head" if zero3 else "the whole target"
+        raise ExtractMemoryError(
+            f"out of device memory in the extract stage: each rank holds {held} and passes "
+            f"extract.batch_tokens={tokens} tokens at a time. Lower it, e.g. extract.batch_tokens={max(1, tokens // 2)}"
+            + ("" if zero3 else ", or, where the target's weights alone nearly fill a GPU, set extract.zero_stage=3 "
+               "(the weights partitioned across the ranks)")
+            + "; `plan=true` prints the estimate. A rerun keeps the shards written so far.") from e
+
+
 @torch.inference_mode()
 def run(cfg: DictConfig) -> dict:
     require(cfg, "data")
@@ -251,12 +273,15 @@ def run(cfg: DictConfig) -> dict:
     world, rank = dist.world_size(), dist.rank()
     pending = [s for s in shards if s["file"] in todo]
     mine = pending[rank::world]
-    # ZeRO-3 gathers parameters collectively: every rank must run the same number of forward passes.
-    plans = [[b for s in pending[r::world] for b in batches(
-        [row for row in s["rows"] if row not in ready.rows[s["split"]]], lengths[s["split"]], cfg.extract.batch_tokens)]
-        for r in range(world)]
-    n_passes = max(len(p) for p in plans) if cfg.extract.zero_stage == 3 else len(plans[rank])
+    # ZeRO-3 gathers parameters collectively: every rank must run the same number of forward passes, the most any
+    # rank needs, each rank counting its own (the kept states each rank found could differ on a shared filesystem
+    # whose nodes cache it apart: counts made from one view would then disagree, and the ranks wait on each other).
+    n_passes = sum(len(batches([row for row in s["rows"] if row not in ready.rows[s["split"]]], lengths[s["split"]],
+                               cfg.extract.batch_tokens)) for s in mine)
+    if cfg.extract.zero_stage == 3:
+        n_passes = max(dist.all_gather_objects(n_passes))
     with ExitStack() as target:
+        target.enter_context(_names_the_fix_when_out_of_memory(cfg))
         if n_passes:  # every row ready: the target is not even loaded
             model = target.enter_context(_loaded_target(cfg, device))
             lm_head = _full_weight(model.get_output_embeddings().weight, cfg.extract.zero_stage)

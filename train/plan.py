@@ -404,12 +404,15 @@ def _kv_bytes(c, s: int) -> int:
 
 def extract_memory(cfg: DictConfig, sh: Shapes, dtype: torch.dtype, world: int, tokens: int | None = None) -> Estimate:
     """One rank's peak during extraction (``tokens`` per forward, default ``extract.batch_tokens``):
-    target weights + max(forward, full-vocabulary argmax), from ``train.extract.capture``/``full_argmax``."""
+    target weights (under ZeRO-3 a 1/world share, plus the whole lm_head the argmax gathers) + max(forward,
+    full-vocabulary argmax), from ``train.extract.capture``/``full_argmax``."""
     c, s, est = sh.config, dtype.itemsize, Estimate()
     N, L, H = tokens or cfg.extract.batch_tokens, sh.captured, sh.config.hidden_size
     zero3 = cfg.extract.zero_stage == 3
     weights = est.add("target weights", sh.target_params * s / (world if zero3 else 1),
                       f"{_count(sh.target_params)} params x {_name(dtype)}" + (f" / {world} ranks (ZeRO-3)" if zero3 else ""))
+    if zero3:   # train.extract._full_weight: a gathered copy of the lm_head on every rank, for the whole stage
+        weights += est.add("gathered lm_head", c.vocab_size * H * s, "ZeRO-3: the full-vocabulary argmax's copy")
     # The decoder's forward (no KV cache) keeps the captured layers, two residual streams, the embeddings
     # and a normed input while one MLP holds gate, act(gate) and up [N, I].
     fwd = est.add("forward activations", N * ((L + 3) * H + 3 * c.intermediate_size) * s,
