@@ -216,6 +216,20 @@ def cache_file(directory: str, target_fp: str, rcfg, system_prompt: str | None, 
     return Path(directory) / f"{hashlib.sha256(settings.encode()).hexdigest()[:16]}.jsonl"
 
 
+def found_cache(paths: list[Path]) -> Path:
+    """The first of ``paths``, a cache file under the target's fingerprint; where it does not exist and a later one
+    does (the same cache under the target's earlier fingerprint, :func:`train.target.target_fingerprints`), that one
+    is renamed to it first (by whichever rank gets there first)."""
+    for old in paths[1:]:
+        if not paths[0].exists() and old.exists():
+            try:
+                old.rename(paths[0])
+                log(f"[data] {old} (this target's cache under its fingerprint before 2026-12-07) is now {paths[0]}")
+            except FileNotFoundError:   # another rank renamed it
+                pass
+    return paths[0]
+
+
 def read_cache(path: Path, keys: set[str] | None = None) -> dict[str, dict]:
     """Complete lines of the cache (a torn last line from a crash is ignored); with ``keys``, only theirs (a
     rank's share: a million conversations are GBs of text, once per rank)."""

@@ -42,14 +42,20 @@ from data.formats import (
     read_source,
     to_messages,
 )
-from data.regenerate import cache_file, read_cache
+from data.regenerate import cache_file, found_cache, read_cache
 from data.synth import Synthesizer
 from data.template import check_template, set_thinking, tokenize_conversation, with_system
 from data.vocab import coverage_curve
 from train import dist
 from train.log import log, progress
 from train.stages import files_id, shares_work, stage_dir
-from train.target import load_config, load_tokenizer, target_fingerprint, tokenizer_fingerprint
+from train.target import (
+    load_config,
+    load_tokenizer,
+    target_fingerprint,
+    target_fingerprints,
+    tokenizer_fingerprint,
+)
 
 SPLITS = ("train", "validation")
 POOL_MIN_ROWS = 2000  # data.num_proc null: fewer conversations than this are done in this process
@@ -225,8 +231,8 @@ def run(cfg: DictConfig) -> dict:
         convs, counts, train_rows_left_out = read_conversations(cfg, synth)
         regen_stats = None
         if dcfg.regenerate:
-            path = cache_file(dcfg.regen.dir, target_fingerprint(cfg), dcfg.regen, dcfg.system_prompt,
-                              dcfg.get("thinking"))
+            path = found_cache([cache_file(dcfg.regen.dir, fp, dcfg.regen, dcfg.system_prompt, dcfg.get("thinking"))
+                                for fp in target_fingerprints(cfg)])
             # data.regen.backend: hf (split across ranks under a launcher) | vllm | openai (data/engines.py)
             regen_stats = regenerate_answers(cfg, convs, tokenizer, path, client)
             if regen_stats is None:  # a rank other than 0: its share is written; rank 0 does the rest alone

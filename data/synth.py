@@ -51,7 +51,7 @@ import torch
 from filelock import FileLock
 
 from data.formats import DataError, appending
-from data.regenerate import Answer, eos_ids, refill_rows, request_seed, stream
+from data.regenerate import Answer, eos_ids, found_cache, refill_rows, request_seed, stream
 from data.template import user_turn_prefix
 from train import dist
 from train.log import log, progress
@@ -440,12 +440,12 @@ class Synthesizer:
     def __call__(self, source: dict, name: str) -> Iterator[tuple[str, dict]]:
         from data.engines import LocalTarget, OpenAIClient, generation_config
         from train.stages import shares_work
-        from train.target import target_fingerprint
+        from train.target import target_fingerprints
 
         dcfg = self.cfg.data
         s = settings(source, int(self.cfg.seed))
         directory = dcfg.get("synth_dir") or Path(dcfg.regen.dir).parent / "synth"
-        path = cache_file(directory, target_fingerprint(self.cfg), s)
+        path = found_cache([cache_file(directory, fp, s) for fp in target_fingerprints(self.cfg)])
         path.parent.mkdir(parents=True, exist_ok=True)
         # Under a launcher with hf regeneration every rank reads the sources: they write the batches together
         # (rank r the batches b = r mod world) and each filters all of them (every rank has the same prompts).

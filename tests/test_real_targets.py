@@ -175,3 +175,46 @@ def test_a_hub_targets_identity_does_not_change_when_its_weights_arrive(tmp_path
     for f in local.glob("*.safetensors"):
         f.unlink()
     assert target_fingerprint(make_cfg(["model=qwen2.5-7b", f"model.path={local}"])) != first
+
+
+def test_a_local_folder_is_told_from_its_fine_tune_and_keeps_what_was_made_for_it(tmp_path):
+    """Two local folders whose weight files differ only past each file's first MiB (a fine-tune whose first tensors
+    of each file, embeddings and norms, are the base's) have two identities: the regeneration cache, kept states and
+    data of one are not the other's. What was made before 2026-12-07, under the first-MiB identity, is still found:
+    the regeneration cache under its old name, the data stage's manifest."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from data.regenerate import found_cache
+    from train.extract import check_data
+    from train.target import target_fingerprint, target_fingerprints, target_path, tokenizer_fingerprint
+
+    base, tuned = tmp_path / "base", tmp_path / "tuned"
+    shutil.copytree(target_path(make_cfg(["model=tiny-llama"])), base)
+    weights = torch.zeros(1 << 21)   # 8 MiB
+    save_file({"layers": weights}, str(base / "model-extra.safetensors"))
+    shutil.copytree(base, tuned)
+    weights[1 << 20: (1 << 20) + (1 << 16)] = 1.0   # 256 KiB, 4 MiB into the file
+    save_file({"layers": weights}, str(tuned / "model-extra.safetensors"))
+    cfg, other = (make_cfg(["model=tiny-llama", "model.source=hf", f"model.path={d}", f"output_root={tmp_path}"])
+                  for d in (base, tuned))
+    assert target_fingerprint(cfg) != target_fingerprint(other)
+    assert target_fingerprint(cfg, legacy=True) == target_fingerprint(other, legacy=True)
+    fps = target_fingerprints(cfg)
+    assert fps == [target_fingerprint(cfg), target_fingerprint(cfg, legacy=True)]
+    tiny = make_cfg(["model=tiny-llama"])   # a folder the pipeline builds keeps one identity
+    assert target_fingerprints(tiny) == [target_fingerprint(tiny)]
+    caches = [tmp_path / "regenerated" / f"{fp}.jsonl" for fp in fps]
+    caches[1].parent.mkdir()
+    caches[1].write_text('{"key": "k"}\n')
+    assert found_cache(caches) == caches[0] and caches[0].read_text() == '{"key": "k"}\n' and not caches[1].exists()
+    tokenizer = load_tokenizer(cfg)
+    manifest = stage_dir(cfg, "data") / "manifest.json"
+    manifest.parent.mkdir(parents=True)
+    for fp in fps[::-1]:   # (data made before: the fine-tune would take it too, as it did then)
+        manifest.write_text(json.dumps({"tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+                                        "target_fingerprint": fp}))
+        assert check_data(cfg, tokenizer)["target_fingerprint"] == fp
+    with pytest.raises(Exception, match="made with another target"):
+        check_data(other, tokenizer)

@@ -53,7 +53,7 @@ from train.target import (
     load_tokenizer,
     resolve_device,
     resolve_dtype,
-    target_fingerprint,
+    target_fingerprints,
     tokenizer_fingerprint,
 )
 
@@ -81,12 +81,12 @@ def capture(model, input_ids: torch.Tensor, layers: list[int], attention_mask=No
 def check_data(cfg: DictConfig, tokenizer) -> dict:
     """The data stage's manifest, refusing data made with another target or tokenizer."""
     manifest = json.loads((stage_dir(cfg, "data") / "manifest.json").read_text())
-    for key, current in (("tokenizer_fingerprint", tokenizer_fingerprint(tokenizer)),
-                         ("target_fingerprint", target_fingerprint(cfg))):
-        if manifest[key] != current:
+    for key, accepted in (("tokenizer_fingerprint", [tokenizer_fingerprint(tokenizer)]),
+                          ("target_fingerprint", target_fingerprints(cfg))):   # (data made before 2026-12-07 too)
+        if manifest[key] not in accepted:
             raise ExtractError(
                 f"the data in {stage_dir(cfg, 'data')} was made with another target/tokenizer ({key} "
-                f"{manifest[key]} != {current} of model={cfg.model.name}). Rerun the data stage for this "
+                f"{manifest[key]} != {accepted[0]} of model={cfg.model.name}). Rerun the data stage for this "
                 "target: add force=[data] (or use another run_dir)."
             )
     return manifest

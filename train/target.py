@@ -95,10 +95,16 @@ def regen_dtype(cfg: DictConfig, device: torch.device | None = None) -> torch.dt
     return resolve_dtype(name, device)
 
 
-def _sha_file(path: Path, limit: int = 1 << 24) -> str:
-    h = hashlib.sha256(str(path.stat().st_size).encode())
+def _sha_file(path: Path, limit: int = 1 << 24, samples: int = 0, sample_bytes: int = 1 << 16) -> str:
+    """A hash of the file's size, its first ``limit`` bytes and ``samples`` blocks of ``sample_bytes`` spread evenly
+    over the rest (every tensor of a few MiB or more is read in part, whatever the file's order)."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
     with open(path, "rb") as f:
         h.update(f.read(limit))
+        for i in range(samples):
+            f.seek(limit + (size - limit) * i // samples)
+            h.update(f.read(sample_bytes))
     return h.hexdigest()[:16]
 
 
@@ -398,11 +404,14 @@ def tokenizer_fingerprint(tok) -> str:
     return h.hexdigest()[:16]
 
 
-def target_fingerprint(cfg: DictConfig) -> str:
+def target_fingerprint(cfg: DictConfig, legacy: bool = False) -> str:
     """Identity of the target's files, no weights loaded: a Hub snapshot by its repository and commit (which
     fix every file of it) and its config, so the identity is the same before and after the weights are
     downloaded (a regeneration cache keyed before the download is found after it); a local folder by its
-    config, tokenizer and weight files."""
+    config, tokenizer and weight files: each one's size, first MiB and 64 blocks of 64 KiB spread over it.
+    ``legacy``: as before 2026-12-07, the first MiB alone, which a fine-tune whose first tensors of each file are
+    the base's (an attention-only LoRA merged: embeddings, norms) shared with its base model. The default
+    target's own dequantised folder keeps it (its folder is named by the GGUF file's hash)."""
     from transformers.utils import cached_file
 
     path = target_path(cfg)
@@ -416,5 +425,13 @@ def target_fingerprint(cfg: DictConfig) -> str:
         if f.suffix in (".json", ".jinja") and f.name != "generation_config.json":
             h.update(f.name.encode() + f.read_bytes())
         elif f.suffix in (".safetensors", ".bin", ".gguf"):
-            h.update(f"{f.name}:{_sha_file(f, 1 << 20)}".encode())
+            samples = 0 if legacy or cfg.model.source != "hf" else 64
+            h.update(f"{f.name}:{_sha_file(f, 1 << 20, samples)}".encode())
     return h.hexdigest()[:16]
+
+
+def target_fingerprints(cfg: DictConfig) -> list[str]:
+    """:func:`target_fingerprint`, then, where it differs, the one of the same files that caches and data made
+    before 2026-12-07 carry: they stay found (their answers came from the folder as it was then)."""
+    current, legacy = target_fingerprint(cfg), target_fingerprint(cfg, legacy=True)
+    return [current] if legacy == current else [current, legacy]
