@@ -54,6 +54,7 @@ from train.target import (
     load_tokenizer,
     target_fingerprint,
     target_fingerprints,
+    target_snapshot,
     tokenizer_fingerprint,
 )
 
@@ -315,6 +316,7 @@ def run(cfg: DictConfig) -> dict:
     manifest = {
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
         "target_fingerprint": target_fingerprint(cfg),
+        "target_snapshot": target_snapshot(cfg),   # a Hub target's "<repo id>@<commit>" (None: a local folder)
         "vocab_size": vocab_size,
         "rows": stats["rows_kept"],
         "tokens": stats["tokens"],

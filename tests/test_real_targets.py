@@ -169,6 +169,21 @@ def test_a_hub_targets_identity_does_not_change_when_its_weights_arrive(tmp_path
     other = snapshot.parent / "4567ef01"   # another commit of the repository
     shutil.copytree(snapshot, other)
     assert target_fingerprint(make_cfg(["model=qwen2.5-7b", f"model.path={other}"])) != before
+    # data made from the first commit, read by a run that resolves the second: told which commit to pin
+    from train.extract import ExtractError, check_data
+    from train.target import target_snapshot, tokenizer_fingerprint
+
+    tokenizer = load_tokenizer(make_cfg(["model=tiny-llama"]))
+    made = make_cfg(["model=qwen2.5-7b", f"model.path={snapshot}", f"output_root={tmp_path}"])
+    assert target_snapshot(made) == "org/tiny@0123abcd"
+    (stage_dir(made, "data")).mkdir(parents=True)
+    (stage_dir(made, "data") / "manifest.json").write_text(json.dumps({
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "target_fingerprint": before,
+        "target_snapshot": target_snapshot(made)}))
+    assert check_data(made, tokenizer)["target_fingerprint"] == before
+    with pytest.raises(ExtractError, match=r"made from org/tiny@0123abcd, and this run loads org/tiny@4567ef01.*"
+                                           r"model\.revision=0123abcd"):
+        check_data(make_cfg(["model=qwen2.5-7b", f"model.path={other}", f"output_root={tmp_path}"]), tokenizer)
     local = tmp_path / "local"   # a plain folder: its weight files count
     shutil.copytree(snapshot, local)
     first = target_fingerprint(make_cfg(["model=qwen2.5-7b", f"model.path={local}"]))

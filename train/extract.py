@@ -54,6 +54,7 @@ from train.target import (
     resolve_device,
     resolve_dtype,
     target_fingerprints,
+    target_snapshot,
     tokenizer_fingerprint,
 )
 
@@ -84,6 +85,13 @@ def check_data(cfg: DictConfig, tokenizer) -> dict:
     for key, accepted in (("tokenizer_fingerprint", [tokenizer_fingerprint(tokenizer)]),
                           ("target_fingerprint", target_fingerprints(cfg))):   # (data made before 2026-12-07 too)
         if manifest[key] not in accepted:
+            made, now = manifest.get("target_snapshot"), target_snapshot(cfg)
+            if made and now and made.split("@")[0] == now.split("@")[0] and made != now:
+                raise ExtractError(
+                    f"the data in {stage_dir(cfg, 'data')} was made from {made}, and this run loads {now}: the "
+                    f"repository resolved to another commit (model.revision is {cfg.model.revision}). To keep the data and "
+                    f"its regenerated answers, pin the commit they came from: model.revision={made.split('@')[1]} "
+                    "(in your model config). To regenerate them with the new commit instead: force=[data].")
             raise ExtractError(
                 f"the data in {stage_dir(cfg, 'data')} was made with another target/tokenizer ({key} "
                 f"{manifest[key]} != {accepted[0]} of model={cfg.model.name}). Rerun the data stage for this "

@@ -404,6 +404,25 @@ def tokenizer_fingerprint(tok) -> str:
     return h.hexdigest()[:16]
 
 
+def _config_file(cfg: DictConfig) -> tuple[Path, str | None]:
+    """The target's config.json (fetched with a network, else from the local Hugging Face cache) and, for a Hub
+    snapshot, ``"<repo id>@<commit>"`` (None for a local folder)."""
+    from transformers.utils import cached_file
+
+    config_file = Path(cached_file(target_path(cfg), "config.json", revision=cfg.model.revision,
+                                   local_files_only=_offline()))
+    folder = config_file.parent
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        return config_file, f"{folder.parent.parent.name[len('models--'):].replace('--', '/')}@{folder.name}"
+    return config_file, None
+
+
+def target_snapshot(cfg: DictConfig) -> str | None:
+    """``"<repo id>@<commit>"`` of a Hub target (the data stage's manifest keeps it: a later run that resolves
+    another commit is told which to pin); None for a local folder."""
+    return _config_file(cfg)[1]
+
+
 def target_fingerprint(cfg: DictConfig, legacy: bool = False) -> str:
     """Identity of the target's files, no weights loaded: a Hub snapshot by its repository and commit (which
     fix every file of it) and its config, so the identity is the same before and after the weights are
@@ -412,13 +431,10 @@ def target_fingerprint(cfg: DictConfig, legacy: bool = False) -> str:
     ``legacy``: as before 2026-12-07, the first MiB alone, which a fine-tune whose first tensors of each file are
     the base's (an attention-only LoRA merged: embeddings, norms) shared with its base model. The default
     target's own dequantised folder keeps it (its folder is named by the GGUF file's hash)."""
-    from transformers.utils import cached_file
-
-    path = target_path(cfg)
-    config_file = Path(cached_file(path, "config.json", revision=cfg.model.revision, local_files_only=_offline()))
+    config_file, snapshot = _config_file(cfg)
     folder = config_file.parent
     h = hashlib.sha256()
-    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+    if snapshot:
         h.update(f"{folder.parent.parent.name}@{folder.name}".encode() + config_file.read_bytes())
         return h.hexdigest()[:16]
     for f in sorted(folder.iterdir()):
