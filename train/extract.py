@@ -264,21 +264,23 @@ def run(cfg: DictConfig) -> dict:
     fp = fingerprint(cfg, "extract", ignore=HOW["extract"])
     dataset_id = data_manifest["dataset_id"]
     ready = ReadyStates(cfg, ds, lengths, layers, data_manifest["target_fingerprint"], dataset_id)
-    todo = needed = None
+    world, rank = dist.world_size(), dist.rank()
     if dist.is_main():  # shards of an earlier plan (another shard_mb, other rows) would never be overwritten
         for f in set(out.glob("*.safetensors")) - {out / s["file"] for s in shards}:
             f.unlink()
-        redo = "extract" in cfg.force  # force: every shard again, not only the missing ones
-        fps = {fp, fingerprint(cfg, "extract", ignore=HOW["extract"], legacy=True)}  # (shards made before 2026-12-06)
-        todo = {s["file"] for s in shards if redo or not _complete(out / s["file"], fps)}  # ~60k shards at 8B x 1B tokens
-        overwritten = sum((out / f).stat().st_size for f in todo if (out / f).exists())
-        needed = sum(s["tokens"] for s in shards if s["file"] in todo) * (bytes_per_token + 4) - overwritten
-    # Rank 0's view, on every rank (ranks reading the files themselves could disagree on a shared filesystem, and
-    # ZeRO-3's passes must match); what is left is dealt anew, so a rerun after one rank's crash uses every rank.
-    todo, needed = dist.broadcast((todo, needed))
-    check_disk(out, needed, cfg.extract.disk_margin)
+    redo = "extract" in cfg.force  # force: every shard again, not only the missing ones
+    fps = {fp, fingerprint(cfg, "extract", ignore=HOW["extract"], legacy=True)}  # (shards made before 2026-12-06)
+    # Which shards are left, each judged by one rank (~60k shards at 8B x 1B tokens: rank 0 reading every header
+    # alone kept the others in a collective for minutes on a network filesystem), gathered: one view on every rank
+    # (ranks reading the same files could disagree on a shared filesystem, and ZeRO-3's passes must match). What is
+    # left is dealt anew, so a rerun after one rank's crash uses every rank.
+    left = {s["file"]: (out / s["file"]).stat().st_size if (out / s["file"]).exists() else 0
+            for s in shards[rank::world] if redo or not _complete(out / s["file"], fps)}
+    left = {f: size for part in dist.all_gather_objects(left) for f, size in part.items()}
+    todo = set(left)
+    check_disk(out, sum(s["tokens"] for s in shards if s["file"] in todo) * (bytes_per_token + 4) - sum(left.values()),
+               cfg.extract.disk_margin)
 
-    world, rank = dist.world_size(), dist.rank()
     pending = [s for s in shards if s["file"] in todo]
     mine = pending[rank::world]
     # ZeRO-3 gathers parameters collectively: every rank must run the same number of forward passes, the most any
@@ -326,7 +328,7 @@ def run(cfg: DictConfig) -> dict:
     peak_rss = max(dist.all_gather_objects(peak_rss_gib()))
     dist.barrier()
 
-    total_bytes = dist.broadcast(sum((out / s["file"]).stat().st_size for s in shards) if dist.is_main() else None)
+    total_bytes = sum(dist.all_gather_objects(sum((out / s["file"]).stat().st_size for s in shards[rank::world])))
     tokens = sum(s["tokens"] for s in shards)
     manifest = {
         "layers": layers, "dtype": cfg.extract.dtype, "hidden_size": hidden,
