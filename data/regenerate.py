@@ -17,9 +17,12 @@ not by the target or ``max_new_tokens``: that answer's token count).
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
@@ -217,17 +220,32 @@ def cache_file(directory: str, target_fp: str, rcfg, system_prompt: str | None, 
 
 
 def found_cache(paths: list[Path]) -> Path:
-    """The first of ``paths``, a cache file under the target's fingerprint; where it does not exist and a later one
-    does (the same cache under the target's earlier fingerprint, :func:`train.target.target_fingerprints`), that one
-    is renamed to it first (by whichever rank gets there first)."""
-    for old in paths[1:]:
-        if not paths[0].exists() and old.exists():
-            try:
-                old.rename(paths[0])
-                log(f"[data] {old} (this target's cache under its fingerprint before 2026-12-07) is now {paths[0]}")
-            except FileNotFoundError:   # another rank renamed it
-                pass
-    return paths[0]
+    """The first of ``paths``, a cache file under the target's fingerprint. Where none of its files exist (the cache,
+    an interrupted sharded run's part files) and a later path's do (the same cache under the target's fingerprint
+    before 2026-12-07, :func:`train.target.target_fingerprints`), those are copied to its name first, under a lock:
+    one rank copies, the others wait and then find them. Copied, not moved: another folder that had the same earlier
+    fingerprint (a fine-tune and its base, :func:`train.target.target_fingerprint`) keeps finding them too."""
+    new = paths[0]
+
+    def files(path: Path) -> list[Path]:
+        return sorted(path.parent.glob(glob.escape(path.stem) + ".*"))
+
+    if len(paths) == 1 or files(new) or not any(files(old) for old in paths[1:]):
+        return new
+    with open(new.parent / f".{new.stem}.migrating", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:   # a filesystem without flock: ranks may copy side by side (the same bytes, replaced whole)
+            pass
+        old = next((old for old in paths[1:] if files(old)), None)
+        if not files(new) and old is not None:
+            for f in files(old):
+                tmp = new.parent / f".{f.name}.tmp{os.getpid()}"
+                shutil.copyfile(f, tmp)
+                os.replace(tmp, new.parent / (new.stem + f.name[len(old.stem):]))
+            log(f"[data] {old} and its part files (this target's cache under its fingerprint before 2026-12-07) "
+                f"copied to {new}")
+    return new
 
 
 def read_cache(path: Path, keys: set[str] | None = None) -> dict[str, dict]:

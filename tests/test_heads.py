@@ -232,11 +232,13 @@ def test_medusa_overfits_tiny_set(tiny_llama_cfg):
     assert losses[-1] < 0.7 * losses[0]
 
 
-@pytest.mark.parametrize("kind, loss", [("eagle3", "kl"), ("eagle3", "tv"), ("medusa", "ce"), ("medusa", "kl_mix")])
-def test_token_norm_gives_a_step_the_gradient_of_its_rows_in_one_batch(tiny_llama_cfg, kind, loss):
+@pytest.mark.parametrize("kind, loss, reach", [("eagle3", "kl", 0), ("eagle3", "tv", 0), ("eagle3", "kl", 1),
+                                               ("medusa", "ce", 0), ("medusa", "kl_mix", 0)])
+def test_token_norm_gives_a_step_the_gradient_of_its_rows_in_one_batch(tiny_llama_cfg, kind, loss, reach):
     """train.loss_norm=token: a step of two micro-batches, one row with many loss positions and three rows with few
     (assistant tokens only), averaged as DeepSpeed averages micro-batches, has the gradient of its four rows in one
-    batch; each micro-batch's own mean (loss_norm=micro_batch) weighs the few positions 2-3x more."""
+    batch; each micro-batch's own mean (loss_norm=micro_batch) weighs the few positions 2-3x more. With GRIFFIN's
+    reach mask the one batch, too, is divided by its count before the mask (what the Trainer does then)."""
     target = load_target(tiny_llama_cfg)
     n, V = target.config.num_hidden_layers, target.config.vocab_size
     config = (Eagle3Config if kind == "eagle3" else MedusaConfig).from_target(target.config, HEAD_CFG, V)
@@ -263,7 +265,7 @@ def test_token_norm_gives_a_step_the_gradient_of_its_rows_in_one_batch(tiny_llam
         head.zero_grad()
         if kind == "eagle3":
             out = eagle3_loss(head, states[rows, :, :-1].flatten(2), ids[rows], lengths[rows], mask[rows], part, 3,
-                              0.8, "assistant", loss, norms=norms)
+                              0.8, "assistant", loss, reach_topk=reach, norms=norms)
         else:
             out = medusa_loss(head, states[rows, :, -1], ids[rows], lengths[rows], mask[rows], part, 0.8, "assistant",
                               loss, norms=norms)
@@ -276,7 +278,7 @@ def test_token_norm_gives_a_step_the_gradient_of_its_rows_in_one_batch(tiny_llam
                                      "argmax": argmax[r]}, steps, "assistant", ce) for r in batches]
     assert counts[0][0] > 2 * counts[1][0] > 0
     norms = sum(counts) / len(batches)
-    whole = grad([0, 1, 2, 3], None)
+    whole = grad([0, 1, 2, 3], sum(counts) if reach else None)
     token = [sum(g) / 2 for g in zip(*(grad(r, norms) for r in batches), strict=True)]
     own = [sum(g) / 2 for g in zip(*(grad(r, None) for r in batches), strict=True)]
     for a, b in zip(token, whole, strict=True):

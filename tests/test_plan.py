@@ -60,6 +60,12 @@ def test_plan_figures_follow_the_config(cfg_factory):
     deeper = planner.plan(cfg_factory("model=qwen2.5-7b", "planner.device=gpu", "head.ttt_steps=8"))
     assert bigger["train"]["memory"].items["activations"] > 1.9 * base.items["activations"]
     assert deeper["train"]["memory"].items["activations"] > base.items["activations"]
+    # train.loss_norm=token holds a step's micro-batches at once (their counts before the first forward)
+    accum = {norm: planner.plan(cfg_factory("model=qwen2.5-7b", "planner.device=gpu", "train.grad_accum=4",
+                                            f"train.loss_norm={norm}"))["train"]["memory"].items["batches"]
+             for norm in ("token", "micro_batch")}
+    prefetch = make_cfg(["model=qwen2.5-7b"]).train.prefetch
+    assert accum["token"] * (1 + prefetch) == accum["micro_batch"] * (4 + prefetch) == base.items["batches"] * (4 + prefetch)
     assert p["eval"]["memory"].items["target weights"] == pytest.approx(7.62e9 * 2, rel=0.01)
     # ZeRO-3 extraction: a share of the weights, and the whole (padded) lm_head gathered for the argmax on every rank
     zero3 = planner.extract_memory(cfg_factory("model=qwen2.5-7b", "extract.zero_stage=3"), p["shapes"],

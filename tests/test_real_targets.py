@@ -223,7 +223,13 @@ def test_a_local_folder_is_told_from_its_fine_tune_and_keeps_what_was_made_for_i
     caches = [tmp_path / "regenerated" / f"{fp}.jsonl" for fp in fps]
     caches[1].parent.mkdir()
     caches[1].write_text('{"key": "k"}\n')
-    assert found_cache(caches) == caches[0] and caches[0].read_text() == '{"key": "k"}\n' and not caches[1].exists()
+    part = caches[1].with_name(f"{caches[1].stem}.rank1of2.jsonl")   # an interrupted sharded run's
+    part.write_text('{"key": "p"}\n')
+    assert found_cache(caches) == caches[0] and caches[0].read_text() == '{"key": "k"}\n'
+    assert caches[0].with_name(f"{caches[0].stem}.rank1of2.jsonl").read_text() == '{"key": "p"}\n'
+    assert caches[1].exists() and part.exists()   # copied: a folder that shared the old identity keeps them
+    caches[0].write_text('{"key": "new"}\n')
+    assert found_cache(caches) == caches[0] and caches[0].read_text() == '{"key": "new"}\n'   # once
     tokenizer = load_tokenizer(cfg)
     manifest = stage_dir(cfg, "data") / "manifest.json"
     manifest.parent.mkdir(parents=True)

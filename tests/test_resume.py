@@ -269,6 +269,24 @@ def test_a_conversion_for_another_rank_count_that_cannot_run_says_why(prepared, 
     assert len(list(ckpt.glob("universal.failed.*"))) == 1 and not list(ckpt.glob("universal-*"))  # no .tmp left
 
 
+def test_checkpoints_made_before_loss_norm_continue_under_the_token_default(prepared, tmp_path):
+    """train.loss_norm (2026-12-07) reruns the train stage but keeps its checkpoints: a run made before the key (each
+    micro-batch's own mean) continues from them under the token default instead of being refused or started over
+    (one micro-batch per step trains the same either way)."""
+    cfg = fresh_run(prepared, tmp_path, "stages=[train]", "train.max_steps=3", "train.loss_norm=micro_batch")
+    run_stages(cfg)
+    ckpt = stage_dir(cfg, "train") / "checkpoints"
+
+    def latest_state() -> dict:
+        tag = ckpt / (ckpt / "latest").read_text().strip()
+        return torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)["state"]
+
+    first = latest_state()
+    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", "stages=[train]", "train.max_steps=5"]))
+    last = latest_state()
+    assert (first["step"], last["step"]) == (3, 5) and last["run"] == first["run"]   # the same run, continued
+
+
 def test_latest_names_a_checkpoint_only_once_every_rank_has_written_it(prepared, tmp_path, monkeypatch):
     """A crash while a checkpoint is being written (another rank still writing its optimizer shard) leaves
     `latest` on the previous, complete one: the run resumes from it."""

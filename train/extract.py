@@ -89,9 +89,10 @@ def check_data(cfg: DictConfig, tokenizer) -> dict:
             if made and now and made.split("@")[0] == now.split("@")[0] and made != now:
                 raise ExtractError(
                     f"the data in {stage_dir(cfg, 'data')} was made from {made}, and this run loads {now}: the "
-                    f"repository resolved to another commit (model.revision is {cfg.model.revision}). To keep the data and "
-                    f"its regenerated answers, pin the commit they came from: model.revision={made.split('@')[1]} "
-                    "(in your model config). To regenerate them with the new commit instead: force=[data].")
+                    f"repository resolved to another commit (model.revision is {cfg.model.revision}). To keep the "
+                    f"regenerated answers, pin the commit they came from: model.revision={made.split('@')[1]} (in your "
+                    "model config; the data and extract stages then rerun from the cached answers, nothing is "
+                    "regenerated). To regenerate them with the new commit instead: force=[data].")
             raise ExtractError(
                 f"the data in {stage_dir(cfg, 'data')} was made with another target/tokenizer ({key} "
                 f"{manifest[key]} != {accepted[0]} of model={cfg.model.name}). Rerun the data stage for this "

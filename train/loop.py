@@ -736,7 +736,8 @@ class Trainer:
         """One optimizer step: forward, backward and the engine's step on each of this rank's micro-batches
         (DeepSpeed steps the optimizer after the last of them)."""
         stats, batches = [], list(batches)
-        norms = self.loss_norms(batches) if self.tcfg.loss_norm == "token" and self.per_step > 1 else None
+        reach = self.kind == "eagle3" and self.cfg.head.ttt_reach_topk > 0   # its counts are taken before the mask
+        norms = self.loss_norms(batches) if self.tcfg.loss_norm == "token" and (self.per_step > 1 or reach) else None
         for batch in batches:
             stats.append(compute(self.model, self.kind, batch, self.draft_rows, self.cfg, self.tcfg.positions,
                                  _n_steps(self.cfg), self.tcfg.autocast, norms))
@@ -754,7 +755,8 @@ class Trainer:
         rank (one all-reduce), per micro-batch. DeepSpeed averages the micro-batches' gradients; with each one's
         loss a sum over its positions divided by this, every position of the step weighs the same, whatever
         micro-batch and rank it trained in: the step's gradient is that of its rows in one batch. (A step of one
-        micro-batch, its own mean: the same, and not computed.)"""
+        micro-batch, its own mean: the same, and not computed, but with GRIFFIN's reach mask, which the counts
+        precede: steps k >= 1 are then sums over the reached rows divided by all rows, on any split.)"""
         counts = sum(loss_counts(self.model.t2d, batch, _n_steps(self.cfg), self.tcfg.positions,
                                  self.kind == "medusa" and self.cfg.head.loss == "ce") for batch in batches)
         return dist.all_reduce_sum(counts) / self.per_step

@@ -373,8 +373,11 @@ def train_memory(cfg: DictConfig, sh: Shapes, dtype: torch.dtype, world: int) ->
     prefetch = 0 if tc.online else tc.get("prefetch", 0)
     act = activations(sh, kind, N, T, steps, s, s if tc.online else getattr(torch, cfg.extract.dtype).itemsize,
                       cfg.head.loss)
-    batch = est.add("batches", act.batch * (1 + prefetch), f"{N} tokens (train.micro_batch_tokens) x {1 + prefetch} "
-                    "(current + train.prefetch): hidden states, ids, argmax")
+    # train.loss_norm=token builds a step's micro-batches before its first forward (their counts of positions)
+    step = tc.grad_accum if tc.get("loss_norm") == "token" and tc.grad_accum > 1 else 1
+    batch = est.add("batches", act.batch * (step + prefetch), f"{N} tokens (train.micro_batch_tokens) x {step + prefetch} "
+                    + (f"({step} of a step (train.loss_norm=token) " if step > 1 else "(current ")
+                    + "+ train.prefetch): hidden states, ids, argmax")
     saved = est.add("activations", act.saved, "target log-probs over the draft vocabulary, saved for backward over "
                     + (f"{steps} TTT steps" if kind == "eagle3" else f"{sh.head.num_heads} heads"))
     transient = est.add("peak transient", act.transient, f"the last loss ({cfg.head.loss}): [N, draft vocab] fp32 tensors"

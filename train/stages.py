@@ -78,7 +78,8 @@ ADDED = {"head.dropout": 0.0, "data.train_rows": None, "head.ttt_reach_topk": 0,
 # the latest checkpoint with the new value (budgets: a longer train.max_minutes continues training, the
 # schedule refitted from the current step; validation settings only change what is measured from now on).
 RESUMABLE = {"train": ["train.max_minutes", "train.max_steps", "train.epochs", "train.patience",
-                       "train.eval_every", "train.val_tokens", "train.val_steps"]}
+                       "train.eval_every", "train.val_tokens", "train.val_steps",
+                       "train.loss_norm"]}   # (runs before it: the rest of their steps in the new norm)
 # Files whose content is a stage's output identity (hashed into `output_id` of its marker; downstream
 # fingerprints use it). Stages not listed use their own fingerprint.
 OUTPUTS = {
