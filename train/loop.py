@@ -735,9 +735,11 @@ class Trainer:
     def step(self, batches: Iterable[dict]) -> list[StepStats]:
         """One optimizer step: forward, backward and the engine's step on each of this rank's micro-batches
         (DeepSpeed steps the optimizer after the last of them)."""
-        stats, batches = [], list(batches)
+        stats, norms = [], None
         reach = self.kind == "eagle3" and self.cfg.head.ttt_reach_topk > 0   # its counts are taken before the mask
-        norms = self.loss_norms(batches) if self.tcfg.loss_norm == "token" and (self.per_step > 1 or reach) else None
+        if self.tcfg.loss_norm == "token" and (self.per_step > 1 or reach):   # (only then all built before the first)
+            batches = list(batches)
+            norms = self.loss_norms(batches)
         for batch in batches:
             stats.append(compute(self.model, self.kind, batch, self.draft_rows, self.cfg, self.tcfg.positions,
                                  _n_steps(self.cfg), self.tcfg.autocast, norms))
