@@ -10,12 +10,15 @@ included) is exactly 1 there.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import DynamicCache
 
 from eval.drafters import Drafter
@@ -27,12 +30,20 @@ from train.target import last_logits_only, masks_single_queries
 
 # Bumped when a change to the decoder changes its timings: cached plain / n-gram records and verify times
 # (eval.shared) measured by another version are not reused.
-DECODER_VERSION = 5  # 3: the KV cache in preallocated buffers (train.kvcache); 4: prefills index the last position
+DECODER_VERSION = 6  # 3: the KV cache in preallocated buffers (train.kvcache); 4: prefills index the last position
                      # (train.target.last_logits_only) where the target computes its own logits; 5: the root alone
-                     # attends under a mask on the CPU (SpecDecoder.mask_root)
+                     # attends under a mask on the CPU (SpecDecoder.mask_root); 6: the linear layers of a verify pass
+                     # in the faster GEMM layout for its row count on the CPU (SpecDecoder.verify)
 
-# The two GEMM layouts of lm_head(h) = h @ W.T for h [rows, H] (SpecDecoder.logits keeps the faster per row count).
-LM_HEAD_LAYOUTS = {"linear": lambda h, w: F.linear(h, w), "mm": lambda h, w: (w @ h.T).T}
+# The two GEMM layouts of x @ W.T for x [rows, in]: SpecDecoder.logits keeps the faster per row count for the lm_head,
+# SpecDecoder.verify the faster for all the target's decoder layers together per verify pass's row count (CPU).
+GEMM_LAYOUTS = {"linear": lambda x, w: F.linear(x, w), "mm": lambda x, w: (w @ x.T).T}
+
+
+def _mm_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` in the ``mm`` layout."""
+    y = GEMM_LAYOUTS["mm"](x.reshape(-1, x.shape[-1]), layer.weight).reshape(*x.shape[:-1], -1)
+    return y if layer.bias is None else y + layer.bias
 
 # Causal LMs whose logits are lm_head(final hidden state), nothing else (no soft-capping or scaling).
 PLAIN_HEAD = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"}
@@ -81,11 +92,16 @@ class SpecDecoder:
         self.plain_head = type(target).__name__ in PLAIN_HEAD and getattr(head, "bias", None) is None
         self.lm_head = head.weight
         self.layouts: dict[int, str] = {}   # rows -> the faster lm_head GEMM layout on this machine
-        self.tuning_s = 0.0                 # seconds spent choosing them (left out of clock())
+        # The decoder layers' linear layers, on the CPU, and the faster layout for all of them per verify pass rows
+        self.linears = [m for m in target.get_decoder().modules() if type(m) is nn.Linear] \
+            if self.device.type == "cpu" else []
+        self.pass_layouts: dict[int, str] = {}
+        self.tuning_s = 0.0                 # seconds spent choosing layouts (left out of clock())
 
     def clock(self) -> float:
         """Seconds, after the device has finished its queued work; the time spent choosing lm_head layouts
-        (:meth:`logits`) is left out, so a row count seen for the first time does not weigh on a timed decode."""
+        (:meth:`logits`, :meth:`verify`) is left out, so a row count seen for the first time does not weigh on a
+        timed decode."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - self.tuning_s
@@ -99,7 +115,12 @@ class SpecDecoder:
 
     def verify(self, cache: DynamicCache, root: int, tree: DraftTree, hidden_layers: list[int]):
         """One target pass over root + tree nodes; returns (logits [m+1, vocab], hidden_states or None). The
-        root alone (plain decoding, an empty draft) passes a mask only where that is faster (``mask_root``)."""
+        root alone (plain decoding, an empty draft) passes a mask only where that is faster (``mask_root``).
+        On the CPU a tree's pass runs the decoder layers' linear layers in the GEMM layout that was faster for
+        its number of rows, both timed on the whole pass the first time (:attr:`pass_layouts`): on the 2-core
+        AMD CPU (MKL, float32, AVX2 only) F.linear's small-row products do not stream the weights at the
+        memory's speed, and SmolLM2's 4-token pass took 121 ms with them, 104 ms in the other layout, one token
+        80 ms either way (the root alone keeps F.linear, as prefills do)."""
         past = cache.get_seq_length()
         if not tree.tokens:
             mask = torch.ones(1, 1, 1, past + 1, dtype=torch.bool, device=self.device) if self.mask_root else None
@@ -111,7 +132,41 @@ class SpecDecoder:
         if self.eager:   # eager attention adds the mask to the scores
             mask = torch.zeros(mask.shape, dtype=self.target.dtype, device=self.device).masked_fill(
                 ~mask, torch.finfo(self.target.dtype).min)
-        return self.forward(ids, hidden_layers, cache, attention_mask=mask, position_ids=positions[None])
+
+        def run():
+            return self.forward(ids, hidden_layers, cache, attention_mask=mask, position_ids=positions[None])
+
+        if not self.linears:
+            return run()
+        layout = self.pass_layouts.get(len(tree.tokens) + 1)
+        if layout is None:
+            start = self.clock()
+            layout = self.pass_layouts[len(tree.tokens) + 1] = self._fastest(
+                {name: functools.partial(self._undone, cache, run, name) for name in GEMM_LAYOUTS})
+            self.tuning_s += self.clock() - start
+        with self.layers_in(layout):
+            return run()
+
+    @contextmanager
+    def layers_in(self, layout: str) -> Iterator[None]:
+        """The decoder layers' linear layers (:attr:`linears`) compute in ``layout`` (of :data:`GEMM_LAYOUTS`)."""
+        if layout == "linear":
+            yield
+            return
+        for layer in self.linears:
+            layer.forward = functools.partial(_mm_forward, layer)
+        try:
+            yield
+        finally:
+            for layer in self.linears:
+                del layer.forward
+
+    def _undone(self, cache: DynamicCache, run: Callable[[], object], layout: str) -> None:
+        """``run`` (a verify pass) with the layers in ``layout``, its rows then dropped from ``cache``."""
+        past = cache.get_seq_length()
+        with self.layers_in(layout):
+            run()
+        cache.crop(past - cache.get_seq_length())
 
     def forward(self, ids: torch.Tensor, hidden_layers: list[int], cache: DynamicCache, last_only: bool = False,
                 **kwargs):
@@ -135,19 +190,20 @@ class SpecDecoder:
         rows = len(h)
         if rows not in self.layouts:
             start = self.clock()
-            self.layouts[rows] = self._fastest_layout(h)
+            self.layouts[rows] = self._fastest(
+                {name: functools.partial(product, h, self.lm_head) for name, product in GEMM_LAYOUTS.items()})
             self.tuning_s += self.clock() - start
-        return LM_HEAD_LAYOUTS[self.layouts[rows]](h, self.lm_head)
+        return GEMM_LAYOUTS[self.layouts[rows]](h, self.lm_head)
 
-    def _fastest_layout(self, h: torch.Tensor, repeats: int = 3) -> str:
-        """The layout of :meth:`logits` with the shorter best-of-``repeats`` time on ``h`` (after a warm-up)."""
+    def _fastest(self, runs: dict[str, Callable[[], object]], repeats: int = 3) -> str:
+        """The name of the run with the shortest best-of-``repeats`` time (each after a warm-up run)."""
         best = {}
-        for name, product in LM_HEAD_LAYOUTS.items():
-            product(h, self.lm_head)
+        for name, run in runs.items():
+            run()
             times = []
             for _ in range(repeats):
                 start = self.clock()
-                product(h, self.lm_head)
+                run()
                 times.append(self.clock() - start)
             best[name] = min(times)
         return min(best, key=best.get)

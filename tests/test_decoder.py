@@ -488,29 +488,70 @@ def test_measure_verify_time_recovers_each_size_s_cost_on_a_swinging_machine(see
     assert all(timings[s] / timings[1] == pytest.approx(1 + 0.05 * (s - 1), rel=0.05) for s in sizes)
 
 
+def slow_choices(decoder: SpecDecoder, monkeypatch) -> list[list[str]]:
+    """The decoder's clock made fake, and its choices of a layout each made to take 0.2 s of it (which the clock
+    must not see); returns the list the names of each choice's candidates are appended to."""
+    chosen, fastest, now = [], decoder._fastest, [100.0]
+    monkeypatch.setattr(decoder_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def slow_fastest(runs):
+        chosen.append(list(runs))
+        now[0] += 0.2
+        return fastest(runs)
+
+    monkeypatch.setattr(decoder, "_fastest", slow_fastest)
+    return chosen
+
+
 def test_lm_head_layouts_agree_and_are_timed_once_per_row_count(tiny: Setup, monkeypatch):
     decoder = SpecDecoder(tiny.target)   # no layout chosen yet
     assert decoder.plain_head
-    timed, fastest, now = [], decoder._fastest_layout, [100.0]
-    monkeypatch.setattr(decoder_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))  # a fake clock
-
-    def slow_fastest(h):   # choosing takes 0.2 s: the decoder's clock must not see it
-        timed.append(len(h))
-        now[0] += 0.2
-        return fastest(h)
-
-    monkeypatch.setattr(decoder, "_fastest_layout", slow_fastest)
+    chosen = slow_choices(decoder, monkeypatch)
     weight = decoder.lm_head
     for rows in (1, 3, 3, 8):
         h = torch.randn(rows, weight.shape[1])
         start = decoder.clock()
         assert torch.allclose(decoder.logits(h), h @ weight.T, atol=1e-5)
-        assert decoder.clock() == start and decoder.tuning_s == pytest.approx(0.2 * len(timed))
+        assert decoder.clock() == start and decoder.tuning_s == pytest.approx(0.2 * len(chosen))
         assert decoder.layouts[rows] in ("linear", "mm")
         for layout in ("linear", "mm"):
             decoder.layouts[rows] = layout
             assert torch.allclose(decoder.logits(h), h @ weight.T, atol=1e-5)
-    assert timed == [1, 3, 8]
+    assert chosen == [["linear", "mm"]] * 3 and list(decoder.layouts) == [1, 3, 8]
+
+
+def test_verify_passes_run_the_layers_in_the_layout_timed_for_their_rows(tiny: Setup, monkeypatch):
+    """On the CPU a tree's pass runs every linear layer of the target's decoder layers in the GEMM layout timed
+    faster for its number of rows (the first time, on the pass itself, whose rows the timing leaves out of the
+    cache and the clock); the layers are then back as they were. Either layout gives the target's logits, and
+    decoding with every pass in the ``mm`` layout is lossless."""
+    decoder = SpecDecoder(tiny.target, tiny.decoder.eos)
+    assert len(decoder.linears) == 7 * tiny.target.config.num_hidden_layers   # q k v o, gate up down
+    chosen, calls, mm_forward = slow_choices(decoder, monkeypatch), [], decoder_module._mm_forward
+    monkeypatch.setattr(decoder_module, "_mm_forward", lambda layer, x: calls.append(layer) or mm_forward(layer, x))
+    ids, reference = tiny.prompts[0], tiny.reference[0]
+    with torch.inference_mode():
+        full = tiny.target(torch.tensor([ids + reference[:4]])).logits[0, len(ids):]
+        cache, _, _ = decoder.prefill(ids, [])
+        past = cache.get_seq_length()
+        for layout in (None, "linear", "mm"):
+            if layout:
+                decoder.pass_layouts[4] = layout
+            start, calls[:] = decoder.clock(), []
+            logits, _ = decoder.verify(cache, reference[0], DraftTree.chain(reference[1:4]), [])
+            if layout:   # every layer once in the pass's layout (the first pass also ran both, timed)
+                assert calls == (decoder.linears if layout == "mm" else [])
+            assert decoder.clock() == start and cache.get_seq_length() == past + 4
+            cache.crop(-4)
+            torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
+            assert not any("forward" in vars(layer) for layer in decoder.linears)
+    assert decoder.pass_layouts[4] == "mm" and ["linear", "mm"] in chosen
+    assert decoder.tuning_s == pytest.approx(0.2 * len(chosen))
+    decoder.pass_layouts.update(dict.fromkeys(range(2, 4 * 3 + 2), "mm"))   # every tree OracleDrafter proposes
+    oracle = OracleDrafter(reference, len(ids), 4, tiny.target.config.vocab_size)
+    out = decoder.generate(ids, oracle, NEW_TOKENS - 4)   # (the oracle's whole path every cycle)
+    assert out.tokens == reference[:NEW_TOKENS - 4] and out.accept_lengths == [4] * len(out.paths)
+    assert sorted(decoder.pass_layouts) == list(range(2, 4 * 3 + 2))   # no other pass: nothing more timed
 
 
 @pytest.mark.parametrize("config, masked", [
