@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from data.captured import OpenShards
+from data.formats import read_jsonl
 from tests.conftest import ROOT, LoggedRun, child_env, killed_after, make_cfg
 from train.extract import Captures, ExtractError
 from train.stages import fingerprint, read_marker, run_stages, stage_dir
@@ -404,6 +405,14 @@ def test_two_ranks_train_like_one(prepared, tmp_path):
     torch.testing.assert_close(load_file(str(stage_dir(one, "train") / "head/model.safetensors")),
                                load_file(str(stage_dir(two, "train") / "head/model.safetensors")),
                                rtol=1e-4, atol=1e-5)
+    # the logged training figures are those of the step's micro-batches on both ranks, as one rank logs them
+    logged = []
+    for run in (one, two):
+        records = read_jsonl(stage_dir(run, "train") / "metrics.jsonl")
+        logged.append([{k: v for k, v in r.items() if k.startswith("train/")} for r in records if "train/loss" in r])
+    assert len(logged[0]) == len(logged[1]) > 0 and set(logged[0][0]) >= {"train/loss", "train/acc_0", "train/sim_tau"}
+    for alone, shared in zip(*logged, strict=True):
+        assert shared == pytest.approx(alone, rel=1e-4)
     # each rank validated its share of the rows; the figures are those of all of them, as one process scores them
     from heads.io import load_head
     from train.extract import capture_layers

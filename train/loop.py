@@ -156,21 +156,33 @@ def compute(head, kind: str, batch: dict, draft_rows: torch.Tensor, cfg: DictCon
                            cfg.head.decay, positions, cfg.head.loss, cfg.head.dropout, norms)
 
 
-def summarise(correct: list[torch.Tensor], weight: list[torch.Tensor]) -> dict[str, float]:
-    """Per-step accuracy, simulated tau (1 + sum_k prod_{i<=k} acc_i) and the chain tau averaged over
-    positions (1 + sum_k share of positions where steps 0..k are all right: every position a root, where a
-    decoder roots its passes only past what it accepted; :func:`decode_walk` walks them)."""
-    acc, chain, run = [], [], None
+def tallies(correct: list[torch.Tensor], weight: list[torch.Tensor]) -> torch.Tensor:
+    """[steps, 4] float64, per step: its right counted positions, its counted positions, the positions counted
+    at step 0 whose steps 0..k are all right, the positions counted at step 0. Sums: those of several batches
+    (and ranks) add up to theirs together, which :func:`figures` turns into accuracies and taus."""
+    rows, run = [], None
     base = weight[0] > 0
     for c, w in zip(correct, weight, strict=True):
         m = w > 0
-        acc.append(((c & m).sum() / m.sum().clamp(min=1)).item())
         run = c if run is None else run & c
-        chain.append(((run & base).sum() / base.sum().clamp(min=1)).item())
+        rows.append(torch.stack([(c & m).sum(), m.sum(), (run & base).sum(), base.sum()]))
+    return torch.stack(rows).double()
+
+
+def figures(sums: torch.Tensor) -> dict[str, float]:
+    """Per-step accuracy, simulated tau (1 + sum_k prod_{i<=k} acc_i) and the chain tau averaged over
+    positions (1 + sum_k share of positions where steps 0..k are all right: every position a root, where a
+    decoder roots its passes only past what it accepted; :func:`decode_walk` walks them), from :func:`tallies`."""
+    acc = (sums[:, 0] / sums[:, 1].clamp(min=1)).tolist()
     out = {f"acc_{k}": a for k, a in enumerate(acc)}
     out["sim_tau"] = 1 + sum(math.prod(acc[: k + 1]) for k in range(len(acc)))
-    out["chain_tau"] = 1 + sum(chain)
+    out["chain_tau"] = 1 + (sums[:, 2] / sums[:, 3].clamp(min=1)).sum().item()
     return out
+
+
+def summarise(correct: list[torch.Tensor], weight: list[torch.Tensor]) -> dict[str, float]:
+    """:func:`figures` of one batch's (or rows') ``correct`` / ``weight`` per step."""
+    return figures(tallies(correct, weight))
 
 
 def decode_walk(correct: list[torch.Tensor], weight: list[torch.Tensor], k: int) -> list[list[int]]:
@@ -259,11 +271,12 @@ def validate(head, kind, cfg, batches: Batches, rows: list[int], draft_rows, max
     :func:`validation_share` and every rank gets the figures of all the rows (the same on every rank)."""
     share = validation_share(row_lengths(batches.rows), rows, dist.rank(), dist.world_size())
     correct, weight, walks = validation_rows(head, kind, cfg, batches, share, draft_rows, max_tokens)
-    parts = dist.all_gather_objects(([c.cpu() for c in correct], [w.cpu() > 0 for w in weight], walks))
-    correct, weight = ([torch.cat(t) for t in zip(*(p[i] for p in parts if p[i]), strict=True)] for i in (0, 1))
-    walks = {row: walk for p in parts for row, walk in p[2].items()}
-    return {**summarise(correct, weight), "decode_tau": decode_tau(walks.values()), "decode_k": decode_k(cfg),
-            "rows": len(walks), "positions": int(weight[0].sum())}
+    sums = tallies(correct, weight) if correct else torch.zeros(   # (more ranks than rows: none here)
+        _n_steps(cfg, validation=True), 4, dtype=torch.float64, device=draft_rows.device)
+    sums = dist.all_reduce_sum(sums)
+    walks = {row: walk for part in dist.all_gather_objects(walks) for row, walk in part.items()}
+    return {**figures(sums), "decode_tau": decode_tau(walks.values()), "decode_k": decode_k(cfg),
+            "rows": len(walks), "positions": int(sums[0, 1])}
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float, segment: list | None = None) -> float:
@@ -778,15 +791,19 @@ class Trainer:
         return elapsed_s / 60 >= tcfg.max_minutes
 
     def log_step(self, stats: list[StepStats], epoch: int) -> None:
-        """The last step's losses, accuracies and simulated tau, the learning rate and the throughput since the
-        last log (all ranks' tokens), to the tracker and the progress bar."""
-        now = time.time()
-        rate = (self.tokens_seen - self.last_log[1]) * self.world / max(now - self.last_log[0], 1e-9)
-        self.last_log = (now, self.tokens_seen)
+        """The last step's losses, accuracies and simulated tau (of its micro-batches on every rank: one
+        all-reduce), the learning rate and the throughput since the last log (all ranks' tokens), to the tracker
+        and the progress bar."""
         n = _n_steps(self.cfg)
-        metrics = summarise([torch.cat([s.correct[k].flatten() for s in stats]) for k in range(n)],
-                            [torch.cat([s.weight[k].flatten() for s in stats]) for k in range(n)])
-        mean_losses = [sum(s.losses[k] for s in stats) / len(stats) for k in range(n)]
+        sums = sum(tallies(s.correct, s.weight) for s in stats)
+        extra = [*(sum(s.losses[k] for s in stats) for k in range(n)), len(stats), self.tokens_seen - self.last_log[1]]
+        sums = dist.all_reduce_sum(torch.cat([sums.flatten(), sums.new_tensor(extra)]))
+        metrics = figures(sums[:4 * n].view(n, 4))
+        *loss_sums, batches, tokens = sums[4 * n:].tolist()
+        mean_losses = [v / batches for v in loss_sums]
+        now = time.time()
+        rate = tokens / max(now - self.last_log[0], 1e-9)
+        self.last_log = (now, self.tokens_seen)
         record = {"train/loss": sum(cfg_decay(self.cfg) ** k * v for k, v in enumerate(mean_losses)),
                   **{f"train/loss_{k}": v for k, v in enumerate(mean_losses)},
                   **{f"train/{k}": v for k, v in metrics.items()},
