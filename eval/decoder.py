@@ -92,9 +92,11 @@ class SpecDecoder:
         self.plain_head = type(target).__name__ in PLAIN_HEAD and getattr(head, "bias", None) is None
         self.lm_head = head.weight
         self.layouts: dict[int, str] = {}   # rows -> the faster lm_head GEMM layout on this machine
-        # The decoder layers' linear layers, on the CPU, and the faster layout for all of them per verify pass rows
-        self.linears = [m for m in target.get_decoder().modules() if type(m) is nn.Linear] \
-            if self.device.type == "cpu" else []
+        # The decoder layers' linear layers on the CPU, for the architectures whose modeling code takes their outputs
+        # in either layout (a view that only splits the last dimension), and the faster layout per verify pass rows.
+        # (A layer with its own forward, e.g. a hook that moves it between devices, is left alone.)
+        self.linears = [m for m in target.get_decoder().modules() if type(m) is nn.Linear and "forward" not in vars(m)] \
+            if self.device.type == "cpu" and type(target).__name__ in PLAIN_HEAD else []
         self.pass_layouts: dict[int, str] = {}
         self.tuning_s = 0.0                 # seconds spent choosing layouts (left out of clock())
 
@@ -116,35 +118,37 @@ class SpecDecoder:
     def verify(self, cache: DynamicCache, root: int, tree: DraftTree, hidden_layers: list[int]):
         """One target pass over root + tree nodes; returns (logits [m+1, vocab], hidden_states or None). The
         root alone (plain decoding, an empty draft) passes a mask only where that is faster (``mask_root``).
-        On the CPU a tree's pass runs the decoder layers' linear layers in the GEMM layout that was faster for
-        its number of rows, both timed on the whole pass the first time (:attr:`pass_layouts`): on the 2-core
-        AMD CPU (MKL, float32, AVX2 only) F.linear's small-row products do not stream the weights at the
-        memory's speed, and SmolLM2's 4-token pass took 121 ms with them, 104 ms in the other layout, one token
-        80 ms either way (the root alone keeps F.linear, as prefills do)."""
+        On the CPU the pass runs the decoder layers' linear layers in the GEMM layout that was faster for its
+        number of rows, the root alone included, both timed on the whole pass the first time
+        (:attr:`pass_layouts`): on the 2-core AMD CPU (MKL, float32, AVX2 only) F.linear's small-row products do
+        not stream the weights at the memory's speed, and SmolLM2's 4-token pass took 121 ms with them, 104 ms
+        in the other layout, one token 80 ms either way."""
         past = cache.get_seq_length()
-        if not tree.tokens:
-            mask = torch.ones(1, 1, 1, past + 1, dtype=torch.bool, device=self.device) if self.mask_root else None
-            return self.forward(torch.tensor([[root]], device=self.device), hidden_layers, cache, attention_mask=mask)
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)
-        positions = past + torch.tensor(tree.depths(), device=self.device)
-        tree_mask = tree.ancestor_mask(self.device)
-        mask = torch.cat([tree_mask.new_ones(len(tree_mask), past), tree_mask], 1)[None, None]
-        if self.eager:   # eager attention adds the mask to the scores
-            mask = torch.zeros(mask.shape, dtype=self.target.dtype, device=self.device).masked_fill(
-                ~mask, torch.finfo(self.target.dtype).min)
+        if tree.tokens:
+            positions = past + torch.tensor(tree.depths(), device=self.device)
+            tree_mask = tree.ancestor_mask(self.device)
+            mask = torch.cat([tree_mask.new_ones(len(tree_mask), past), tree_mask], 1)[None, None]
+            if self.eager:   # eager attention adds the mask to the scores
+                mask = torch.zeros(mask.shape, dtype=self.target.dtype, device=self.device).masked_fill(
+                    ~mask, torch.finfo(self.target.dtype).min)
+            where = {"attention_mask": mask, "position_ids": positions[None]}
+        else:
+            where = {"attention_mask": torch.ones(1, 1, 1, past + 1, dtype=torch.bool, device=self.device)
+                     if self.mask_root else None}
 
         def run():
-            return self.forward(ids, hidden_layers, cache, attention_mask=mask, position_ids=positions[None])
+            return self.forward(ids, hidden_layers, cache, **where)
 
         if not self.linears:
             return run()
-        layout = self.pass_layouts.get(len(tree.tokens) + 1)
-        if layout is None:
+        rows = ids.shape[1]
+        if rows not in self.pass_layouts:
             start = self.clock()
-            layout = self.pass_layouts[len(tree.tokens) + 1] = self._fastest(
+            self.pass_layouts[rows] = self._fastest(
                 {name: functools.partial(self._undone, cache, run, name) for name in GEMM_LAYOUTS})
             self.tuning_s += self.clock() - start
-        with self.layers_in(layout):
+        with self.layers_in(self.pass_layouts[rows]):
             return run()
 
     @contextmanager
@@ -153,13 +157,13 @@ class SpecDecoder:
         if layout == "linear":
             yield
             return
-        for layer in self.linears:
-            layer.forward = functools.partial(_mm_forward, layer)
         try:
+            for layer in self.linears:
+                layer.forward = functools.partial(_mm_forward, layer)
             yield
         finally:
             for layer in self.linears:
-                del layer.forward
+                vars(layer).pop("forward", None)
 
     def _undone(self, cache: DynamicCache, run: Callable[[], object], layout: str) -> None:
         """``run`` (a verify pass) with the layers in ``layout``, its rows then dropped from ``cache``."""

@@ -521,10 +521,11 @@ def test_lm_head_layouts_agree_and_are_timed_once_per_row_count(tiny: Setup, mon
 
 
 def test_verify_passes_run_the_layers_in_the_layout_timed_for_their_rows(tiny: Setup, monkeypatch):
-    """On the CPU a tree's pass runs every linear layer of the target's decoder layers in the GEMM layout timed
-    faster for its number of rows (the first time, on the pass itself, whose rows the timing leaves out of the
-    cache and the clock); the layers are then back as they were. Either layout gives the target's logits, and
-    decoding with every pass in the ``mm`` layout is lossless."""
+    """On the CPU a verify pass (a tree's, or the root's alone: plain decoding is timed like for like) runs every
+    linear layer of the target's decoder layers in the GEMM layout timed faster for its number of rows (the first
+    time, on the pass itself, whose rows the timing leaves out of the cache and the clock); the layers are then
+    back as they were. Either layout gives the target's logits, and decoding with every pass in the ``mm`` layout
+    is lossless."""
     decoder = SpecDecoder(tiny.target, tiny.decoder.eos)
     assert len(decoder.linears) == 7 * tiny.target.config.num_hidden_layers   # q k v o, gate up down
     chosen, calls, mm_forward = slow_choices(decoder, monkeypatch), [], decoder_module._mm_forward
@@ -534,24 +535,37 @@ def test_verify_passes_run_the_layers_in_the_layout_timed_for_their_rows(tiny: S
         full = tiny.target(torch.tensor([ids + reference[:4]])).logits[0, len(ids):]
         cache, _, _ = decoder.prefill(ids, [])
         past = cache.get_seq_length()
-        for layout in (None, "linear", "mm"):
-            if layout:
-                decoder.pass_layouts[4] = layout
-            start, calls[:] = decoder.clock(), []
-            logits, _ = decoder.verify(cache, reference[0], DraftTree.chain(reference[1:4]), [])
-            if layout:   # every layer once in the pass's layout (the first pass also ran both, timed)
-                assert calls == (decoder.linears if layout == "mm" else [])
-            assert decoder.clock() == start and cache.get_seq_length() == past + 4
-            cache.crop(-4)
-            torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
-            assert not any("forward" in vars(layer) for layer in decoder.linears)
-    assert decoder.pass_layouts[4] == "mm" and ["linear", "mm"] in chosen
+        for tree in (DraftTree.chain(reference[1:4]), DraftTree([], [])):
+            rows = len(tree.tokens) + 1
+            for layout in (None, "linear", "mm"):
+                if layout:
+                    decoder.pass_layouts[rows] = layout
+                start, calls[:] = decoder.clock(), []
+                logits, _ = decoder.verify(cache, reference[0], tree, [])
+                if layout:   # every layer once in the pass's layout (the first pass also ran both, timed)
+                    assert calls == (decoder.linears if layout == "mm" else [])
+                assert decoder.clock() == start and cache.get_seq_length() == past + rows
+                cache.crop(-rows)
+                torch.testing.assert_close(logits, full[:rows], rtol=1e-4, atol=1e-4)
+                assert not any("forward" in vars(layer) for layer in decoder.linears)
+    assert chosen == [["linear", "mm"]] * 4   # the lm_head's and the pass's layouts, at 4 rows and at 1
     assert decoder.tuning_s == pytest.approx(0.2 * len(chosen))
-    decoder.pass_layouts.update(dict.fromkeys(range(2, 4 * 3 + 2), "mm"))   # every tree OracleDrafter proposes
+    decoder.pass_layouts.update(dict.fromkeys(range(1, 4 * 3 + 2), "mm"))   # every tree OracleDrafter proposes
     oracle = OracleDrafter(reference, len(ids), 4, tiny.target.config.vocab_size)
     out = decoder.generate(ids, oracle, NEW_TOKENS - 4)   # (the oracle's whole path every cycle)
     assert out.tokens == reference[:NEW_TOKENS - 4] and out.accept_lengths == [4] * len(out.paths)
-    assert sorted(decoder.pass_layouts) == list(range(2, 4 * 3 + 2))   # no other pass: nothing more timed
+    assert decoder.generate(ids, tiny.drafter("plain"), NEW_TOKENS).tokens == reference
+    assert sorted(decoder.pass_layouts) == list(range(1, 4 * 3 + 2))   # no other pass: nothing more timed
+
+
+def test_only_checked_architectures_on_the_cpu_swap_their_layers_layout(tiny: Setup, monkeypatch):
+    """The layout swap is for the modeling code known to take either layout (PLAIN_HEAD); other architectures and
+    GPUs keep F.linear, with nothing timed."""
+    monkeypatch.setattr(decoder_module, "PLAIN_HEAD", set())
+    decoder = SpecDecoder(tiny.target, tiny.decoder.eos)
+    assert decoder.linears == []
+    assert decoder.generate(tiny.prompts[0], tiny.drafter("ngram"), NEW_TOKENS).tokens == tiny.reference[0]
+    assert decoder.pass_layouts == {}
 
 
 @pytest.mark.parametrize("config, masked", [
@@ -595,6 +609,7 @@ def test_plain_step_on_the_cpu_attends_grouped_heads_packed(tiny: Setup, monkeyp
     assert kv < heads  # the tiny twins are grouped-query, like the presets
     decoder = SpecDecoder(tiny.target)
     assert decoder.mask_root
+    decoder.pass_layouts[1] = "linear"   # (no layouts timed: the one pass spied on)
     calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
 
     def spy(query, *args, **kwargs):
