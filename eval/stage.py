@@ -541,6 +541,9 @@ def run(cfg: DictConfig) -> dict:
         "target_params": sum(p.numel() for p in target.parameters()),
         "target_memory_mb": _mb(chain(target.parameters(), target.buffers())),
         "tree": tree, "baselines": baseline_summary(records, baselines), "results": results,
+        # rows -> the GEMM layout this process's decoder timed faster (SpecDecoder.logits, SpecDecoder.verify)
+        "gemm_layouts": {name: {str(rows): layout for rows, layout in sorted(chosen.items())}
+                         for name, chosen in (("lm_head", decoder.layouts), ("layers", decoder.pass_layouts))},
         "recommendations": recommend(results, cfg.eval.min_speedup), "decoder_bugs": decoder_bugs(results),
     }
     (out / "report.json").write_text(json.dumps(report, indent=2))

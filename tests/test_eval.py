@@ -94,6 +94,9 @@ def test_eval_stage_end_to_end(cfg_factory, tmp_path, monkeypatch, kind):
     assert list(tree["verify_ms"]) == ["1", "2", "4", "8"]
     assert tree["total_tokens"] in (2, 4, 8) and set(tree["acceptance_curve"]) == set(tree["verify_ms"])
     assert tree["total_tokens_source"].startswith("auto: best predicted speedup")
+    layouts = report["gemm_layouts"]   # every verify pass's row count was timed in both (CPU, a Llama twin)
+    assert {"1", "2", "4", "8"} <= set(layouts["layers"]) and set(layouts["layers"].values()) <= {"linear", "mm"}
+    assert "1" in layouts["lm_head"] and set(layouts["lm_head"].values()) <= {"linear", "mm"}
     if kind == "medusa":   # its default tree sized like EAGLE's: the root and total_tokens - 1 paths
         assert tree["medusa_nodes"] == tree["total_tokens"] - 1 and set(tree["draft_ms"]) == {"2", "4", "8"}
 
