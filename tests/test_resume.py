@@ -289,7 +289,8 @@ def test_checkpoints_made_before_loss_norm_continue_under_the_token_default(prep
 
 def test_latest_names_a_checkpoint_only_once_every_rank_has_written_it(prepared, tmp_path, monkeypatch):
     """A crash while a checkpoint is being written (another rank still writing its optimizer shard) leaves
-    `latest` on the previous, complete one: the run resumes from it."""
+    `latest` on the previous, complete one: the run resumes from it. Its save at the torn one's step starts from an
+    empty folder: a shard the torn save left (of 8 ranks, say, resumed on 1) would mix with its own."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     real, calls = DeepSpeedEngine.save_checkpoint, []
@@ -307,10 +308,13 @@ def test_latest_names_a_checkpoint_only_once_every_rank_has_written_it(prepared,
     ckpt = stage_dir(cfg, "train") / "checkpoints"
     assert calls == ["step0000003", "step0000006"]
     assert (ckpt / "latest").read_text().strip() == "step0000003"
+    stray = ckpt / "step0000006" / "bf16_zero_pp_rank_7_mp_rank_00_optim_states.pt"
+    stray.write_bytes(b"rank 7 of the torn save")
     monkeypatch.setattr(DeepSpeedEngine, "save_checkpoint", real)
     lines = logged(monkeypatch)
     run_stages(cfg)
     assert any("resumed from step0000003" in line for line in lines)
+    assert not stray.exists()
 
 
 def test_bookkeeping_keys_skip_or_resume(prepared, tmp_path, monkeypatch):
@@ -479,6 +483,27 @@ def test_a_best_head_saved_after_the_last_checkpoint_stays_the_best(prepared, tm
         run_stages(make_cfg(again))
         assert json.loads((out / "summary.json").read_text())["best"]["sim_tau"] < 9.0  # replaced by this run's
     assert sum("holds a better head" in line for line in lines) == 1  # not the other run's, nor the id-less one
+
+
+def test_a_best_head_of_the_last_validation_after_its_steps_checkpoint_stays_the_best(prepared, tmp_path,
+                                                                                        monkeypatch):
+    """The run's last validation runs after the checkpoint of its step (step 3 here: checkpoint_every=3, validations
+    every 2 steps), and the last checkpoint leaves that one as it is: the checkpoint holds step 2's best. A longer
+    budget resumes from it; the head saved at the checkpoint's own step keeps its score (it used to be taken for one
+    of an earlier run, and any later validation above step 2's replaced it)."""
+    base = ["stages=[train]", "train.eval_every=2", "train.checkpoint_every=3", "train.keep_checkpoints=5"]
+    cfg = fresh_run(prepared, tmp_path, *base, "train.max_steps=3")
+    run_stages(cfg)
+    out = stage_dir(cfg, "train")
+    assert (out / "checkpoints" / "latest").read_text() == "step0000003"
+    assert [h["step"] for h in json.loads((out / "summary.json").read_text())["history"]] == [2, 3]
+    saved = out / "head" / "metrics.json"
+    saved.write_text(json.dumps({**json.loads(saved.read_text()), "step": 3, "sim_tau": 9.0}))
+    lines = logged(monkeypatch)
+    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", *base, "train.max_steps=5"]))
+    assert sum("holds a better head saved at step 3" in line for line in lines) == 1, lines
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["best"]["sim_tau"] == 9.0 and summary["steps"] == 5
 
 
 def test_a_rank_restores_its_own_gpus_generator_whatever_the_devices_visible(monkeypatch):

@@ -383,16 +383,23 @@ def set_rng_state(state: dict) -> None:
 
 
 def deepspeed_config(tcfg: DictConfig, dtype: torch.dtype) -> dict:
-    """DeepSpeed engine settings. In bf16, fp32 gradient accumulation (``train.grad_accum_dtype``) exists
-    only in DeepSpeed's BF16 optimizer (fp32 master weights and gradients), which needs ZeRO stage >= 1:
-    stage 0 is raised to 1 (one rank: the same; N ranks: optimizer states sharded)."""
+    """DeepSpeed engine settings. In bf16, fp32 gradients (``train.grad_accum_dtype``) exist only in DeepSpeed's
+    BF16 optimizer (fp32 master weights and gradients), which is ZeRO stage 1: stage 0 is raised to 1 (one rank:
+    the same; N ranks: optimizer states sharded), and stage 2 lowered to it (DeepSpeed's stage 2 accumulates and
+    reduces its gradient partitions in bf16 whatever ``grad_accum_dtype`` says; sharding a head's gradients saves
+    under 2 GB). The ranks' gradients are then all-reduced in fp32 too (``communication_data_type``: DeepSpeed's
+    default in bf16 is bf16, which rounds every step's gradient on N ranks and not on one)."""
     stage = tcfg.zero_stage
     extra = {}
     if dtype == torch.bfloat16:
         extra["data_types"] = {"grad_accum_dtype": tcfg.grad_accum_dtype}
-        if tcfg.grad_accum_dtype == "fp32" and stage == 0:
-            stage = 1
-            log("[train] bf16 with fp32 gradient accumulation: ZeRO stage 1 (DeepSpeed's BF16 optimizer)")
+        if tcfg.grad_accum_dtype == "fp32":
+            extra["communication_data_type"] = "fp32"
+            if stage in (0, 2):
+                stage = 1
+                log("[train] bf16 with fp32 gradient accumulation: ZeRO stage 1 (DeepSpeed's BF16 optimizer)"
+                    + (", not 2 (its gradient partitions stay bf16; train.grad_accum_dtype=bf16 keeps stage 2)"
+                       if tcfg.zero_stage == 2 else ""))
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": tcfg.grad_accum,
             "gradient_clipping": tcfg.grad_clip, "zero_optimization": {"stage": stage},
             "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16},
@@ -668,11 +675,13 @@ class Trainer:
             log(f"[train] resuming with changed {', '.join(changed)}")
         # A best head this run saved after the checkpoint (then a crash; this run's id: not the head of a run forced
         # over, nor one of a checkpoint made before run ids): its score stands, or a later, worse head replaces it,
-        # and the validations replayed up to its step do not count towards early stopping. Rank 0's reading for all:
+        # and the validations replayed up to its step do not count towards early stopping. Its step may be the
+        # checkpoint's own: an epoch's or the run's last validation runs after that step's checkpoint, which the
+        # run's last checkpoint then leaves as it is (rewriting it in place could tear it). Rank 0's reading for all:
         # ranks disagreeing would stop apart (a hang).
         saved = self.out / "head" / "metrics.json"
         newer = dist.broadcast(json.loads(saved.read_text()) if dist.is_main() and saved.exists() else None)
-        if (newer and newer.get("run") == state["run"] and newer["step"] > state["step"]
+        if (newer and newer.get("run") == state["run"] and newer["step"] >= state["step"]
                 and newer["sim_tau"] > state["best"]):
             state.update(best=newer["sim_tau"], best_step=newer["step"], bad_evals=0)
             log(f"[train] head/ holds a better head saved at step {newer['step']}, after this checkpoint (sim_tau "
@@ -861,6 +870,9 @@ class Trainer:
             return  # saved at this step already (a run ending on a checkpoint step, a resume with nothing to train):
             #         rewritten in place, a crash mid-save would tear the one checkpoint `latest` names
         if dist.is_main():
+            # a folder of this tag is a save a crash cut short (`latest` never named it): its shards, of another
+            # rank count maybe, would mix with this save's (a universal conversion counts the ranks by the files)
+            shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
             (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
             (ckpt_dir / tag / "client.json").write_text(json.dumps({
                 "fingerprint": self.fingerprint, "world": self.world, "per_step": self.per_step, "step": state["step"],
