@@ -109,14 +109,20 @@ def engine_client(cfg: DictConfig) -> Iterator[OpenAIClient | LocalTarget]:
             local.model = None
         return
     if backend == "openai":  # data.regen.url is checked at the first request: a stage that needs none runs without
-        yield OpenAIClient(rcfg.get("url") or "", rcfg.get("model"), rcfg.timeout_s, rcfg.retries,
+        yield OpenAIClient(rcfg.get("url") or "", rcfg.get("model"), request_timeout(rcfg), rcfg.retries,
                            rcfg.concurrency or 16)
         return
     from train.stages import stage_dir
 
     with VLLMServer(cfg, stage_dir(cfg, "data") / "vllm_server.log") as server:
-        yield OpenAIClient(server.url, SERVED_NAME, rcfg.timeout_s, rcfg.retries,
+        yield OpenAIClient(server.url, SERVED_NAME, request_timeout(rcfg), rcfg.retries,
                            rcfg.concurrency or 64 * server.gpus or 16, server)
+
+
+def request_timeout(rcfg: DictConfig) -> float:
+    """Seconds a server may take for one request (its answer comes whole): ``data.regen.timeout_s``, or (null) 600
+    plus ``max_new_tokens`` at 10 tokens/s, what a request gets from a server answering hundreds at once."""
+    return float(rcfg.timeout_s) if rcfg.get("timeout_s") is not None else 600.0 + rcfg.max_new_tokens / 10
 
 
 def regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path,

@@ -344,12 +344,26 @@ def unpack_ids(packed: str | None) -> list[int] | None:
     return None if packed is None else np.frombuffer(base64.b64decode(packed), dtype="<i4").tolist()
 
 
+def durable_replace(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` to ``path`` once its bytes are on disk (fsync), and the rename too: without them a node crash
+    can leave a zero-length file under the final name (XFS, Lustre, ext4 without auto_da_alloc)."""
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def rewrite_jsonl(path: Path, rows: Iterable[dict]) -> None:
-    """Replace ``path`` by ``rows``, one JSON line each, atomically (compacting a file before appending)."""
+    """Replace ``path`` by ``rows``, one JSON line each, atomically and durably (compacting a file before appending:
+    a regeneration cache holds every answer of its target and setting)."""
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    os.replace(tmp, path)
+    durable_replace(tmp, path)
 
 
 def prompt_key(messages: list[dict]) -> str:

@@ -80,7 +80,8 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
            eos_ids: set[int], pad_id: int, temperature: float = 0.0, top_p: float = 1.0,
            generator: torch.Generator | Callable[[Hashable], torch.Generator] | None = None,
            layers: list[int] | None = None, tail: Tail | None = None,
-           max_length: int | None = None, top_k: int = 0) -> Iterator[list[tuple[Hashable, Answer]]]:
+           max_length: int | None = None, top_k: int = 0,
+           keeps: Callable[[Hashable], bool] | None = None) -> Iterator[list[tuple[Hashable, Answer]]]:
     """Continuous batching: answers the ``(job, prompt ids)`` of ``queue``, yielding the jobs that finished
     after each step. The caller may append to ``queue`` between yields (a conversation's next turn).
 
@@ -94,7 +95,8 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
     passes themselves: the prompt's from the prefill, each new token's from the step that feeds it. When a
     row's answer ends (EOS, or ``max_new_tokens``: its last token is fed too), ``tail(job, tokens, hit_eos)`` gives
     the tokens the chat template puts after the answer (end of turn, ...); they are fed one per step, so
-    ``states`` covers the whole rendered conversation. ``tail`` returning None drops the row's states.
+    ``states`` covers the whole rendered conversation. ``tail`` returning None drops the row's states; a job for which
+    ``keeps(job)`` is False keeps none from its start (a conversation's earlier turns: 48 MB a 2k-token row at 8B).
     Sampling draws only for rows still answering: the answers are the same with or without ``layers``. A callable
     ``generator`` gives each job its own (``generator(job)``): its answer does not depend on the rows beside it.
     With ``max_length`` an answer gets at most :func:`answer_room` tokens (the data stage keeps no more).
@@ -125,7 +127,7 @@ def stream(model, queue: deque[tuple[Hashable, list[int]]], batch_size: int, ref
             new_jobs = [job for job, _ in new]
             answers.update((job, []) for job in new_jobs)
             limits.update((job, answer_room(len(p), max_new_tokens, max_length)) for job, p in new)
-            kept.update((job, [] if layers else None) for job in new_jobs)
+            kept.update((job, [] if layers and (keeps is None or keeps(job)) else None) for job in new_jobs)
             _keep(kept, new_jobs, out, layers, [len(p) for _, p in new])
             if jobs:
                 cache, mask = join(cache, mask, new_cache, new_mask, room)
@@ -209,9 +211,13 @@ def _keep(kept: dict, jobs: list, out, layers: list[int] | None, last: list[int]
             kept[job].append(states[j, states.shape[1] - last[j]:].clone())
 
 
-def cache_file(directory: str, target_fp: str, rcfg, system_prompt: str | None, thinking: bool | None = None) -> Path:
-    """The cache of one target and generation setting (``data.thinking`` included when set)."""
-    settings = f"{target_fp}-n{rcfg.max_new_tokens}-t{rcfg.temperature}-p{rcfg.top_p}-s{rcfg.seed}-{system_prompt!r}"
+def cache_file(directory: str, target_fp: str, rcfg, system_prompt: str | None, thinking: bool | None = None,
+               as_written: bool = False) -> Path:
+    """The cache of one target and generation setting (``data.thinking`` included when set). Temperature and top-p
+    count by value (``temperature=0`` names the default 0.0's cache); ``as_written``: as the config writes them, the
+    name before 2026-12-07."""
+    t, p = (rcfg.temperature, rcfg.top_p) if as_written else (float(rcfg.temperature), float(rcfg.top_p))
+    settings = f"{target_fp}-n{rcfg.max_new_tokens}-t{t}-p{p}-s{rcfg.seed}-{system_prompt!r}"
     if rcfg.top_k:   # a key added 2026-12-07: the caches made before it stay found
         settings += f"-k{rcfg.top_k}"
     if thinking is not None:
@@ -221,8 +227,9 @@ def cache_file(directory: str, target_fp: str, rcfg, system_prompt: str | None, 
 
 def found_cache(paths: list[Path]) -> Path:
     """The first of ``paths``, a cache file under the target's fingerprint. Where none of its files exist (the cache,
-    an interrupted sharded run's part files) and a later path's do (the same cache under the target's fingerprint
-    before 2026-12-07, :func:`train.target.target_fingerprints`), those are copied to its name first, under a lock:
+    an interrupted sharded run's part files) and a later path's do (the same cache under an earlier name: the target's
+    fingerprint before 2026-12-07, :func:`train.target.target_fingerprints`, or the sampling settings as written),
+    those are copied to its name first, under a lock:
     one rank copies, the others wait and then find them. Copied, not moved: another folder that had the same earlier
     fingerprint (a fine-tune and its base, :func:`train.target.target_fingerprint`) keeps finding them too."""
     new = paths[0]
@@ -230,6 +237,7 @@ def found_cache(paths: list[Path]) -> Path:
     def files(path: Path) -> list[Path]:
         return sorted(path.parent.glob(glob.escape(path.stem) + ".*"))
 
+    paths = list(dict.fromkeys(paths))
     if len(paths) == 1 or files(new) or not any(files(old) for old in paths[1:]):
         return new
     with open(new.parent / f".{new.stem}.migrating", "a") as lock:
@@ -243,7 +251,7 @@ def found_cache(paths: list[Path]) -> Path:
                 tmp = new.parent / f".{f.name}.tmp{os.getpid()}"
                 shutil.copyfile(f, tmp)
                 os.replace(tmp, new.parent / (new.stem + f.name[len(old.stem):]))
-            log(f"[data] {old} and its part files (this target's cache under its fingerprint before 2026-12-07) "
+            log(f"[data] {old} and its part files (this target's cache under its name before 2026-12-07) "
                 f"copied to {new}")
     return new
 
@@ -364,7 +372,8 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
     with appending(path) as f, _on_out_of_memory(rcfg.batch_size, path, flush):
         for finished in stream(model, queue, rcfg.batch_size, refill, rcfg.max_new_tokens, eos, tokenizer.pad_token_id,
                                rcfg.temperature, rcfg.top_p, generators.__getitem__ if rcfg.temperature > 0 else None, layers,
-                               partial(_template_tail, tokenizer, state, prompts, fulls), max_length, rcfg.top_k):
+                               partial(_template_tail, tokenizer, state, prompts, fulls), max_length, rcfg.top_k,
+                               lambda key: _answered(state[key]) == len(state[key]["users"]) - 1):
             for key, a in finished:
                 r = state[key]
                 generators.pop(key, None)
@@ -379,6 +388,8 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
                         queue.append((key, prompts[key]))
                         seeded(key)
                 lines.append(cache_line(r))
+                if r["complete"]:   # nothing of it is read again (500k conversations' prompt ids: GBs on each rank)
+                    del state[key], prompts[key]
             if len(lines) >= rcfg.batch_size:
                 flush()
             bar.update(len(finished))

@@ -232,8 +232,8 @@ def run(cfg: DictConfig) -> dict:
         convs, counts, train_rows_left_out = read_conversations(cfg, synth)
         regen_stats = None
         if dcfg.regenerate:
-            path = found_cache([cache_file(dcfg.regen.dir, fp, dcfg.regen, dcfg.system_prompt, dcfg.get("thinking"))
-                                for fp in target_fingerprints(cfg)])
+            path = found_cache([cache_file(dcfg.regen.dir, fp, dcfg.regen, dcfg.system_prompt, dcfg.get("thinking"),
+                                           as_written) for as_written in (False, True) for fp in target_fingerprints(cfg)])
             # data.regen.backend: hf (split across ranks under a launcher) | vllm | openai (data/engines.py)
             regen_stats = regenerate_answers(cfg, convs, tokenizer, path, client)
             if regen_stats is None:  # a rank other than 0: its share is written; rank 0 does the rest alone

@@ -164,9 +164,12 @@ def settings(source: dict, seed: int) -> dict:
     return s
 
 
-def cache_file(directory: str | Path, target_fp: str, s: dict) -> Path:
-    """Keyed by the target and everything that changes the generated text, not by n."""
+def cache_file(directory: str | Path, target_fp: str, s: dict, as_written: bool = False) -> Path:
+    """Keyed by the target and everything that changes the generated text, not by n; temperature and top-p by value
+    (``as_written``: as the source writes them, the key before 2026-12-07)."""
     key = {k: s[k] for k in ("batch_size", "max_new_tokens", "temperature", "top_p", "seed", "hints")}
+    if not as_written:
+        key.update(temperature=float(key["temperature"]), top_p=float(key["top_p"]))
     digest = hashlib.sha256(json.dumps([target_fp, key], sort_keys=True).encode()).hexdigest()[:16]
     return Path(directory) / f"{digest}.jsonl"
 
@@ -335,20 +338,33 @@ class ServerWriter:
 
 
 def synthesize(writer: TargetWriter | ServerWriter, tokenizer, s: dict, path: Path, name: str = "synth",
-               rank: int = 0, world: int = 1) -> tuple[list[dict], dict]:
+               rank: int = 0, world: int = 1, stalled: Callable[[int], str | None] | None = None
+               ) -> tuple[list[dict], dict]:
     """The first ``s["n"]`` kept prompts ``[{id, prompt, category}]`` and the source's stats. ``writer``
     generates the batches the cache does not hold yet. With ``world`` > 1 this is rank ``rank`` of ``world``
-    processes writing the batches together (every one calls it). The file this process appends to is locked
+    processes writing the batches together (every one calls it); waiting for rank r's batch, it stops with
+    ``stalled(r)`` when that says why (r stopped beating or hangs: :func:`rank_pulses`). The file this process appends to is locked
     from before it is read (runs of two heads of one target side by side share the cache: the second waits,
     then reads what the first wrote)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     mine = path if world == 1 else part_file(path, rank)
     with FileLock(str(mine) + ".lock"), closing(writer):
-        return _synthesize(writer, tokenizer, s, path, mine, name, rank, world)
+        return _synthesize(writer, tokenizer, s, path, mine, name, rank, world, stalled)
+
+
+def rank_pulses(cfg, rank: int, world: int, stale_s: float | None = None) -> Callable[[int], str | None]:
+    """``stalled`` of :func:`synthesize` for rank ``rank`` of ``world`` under a launcher: why rank r has stopped
+    writing its batches (:class:`train.stages.Pulse` on its heartbeat, rank 0's the stage's own), or None."""
+    from train.stages import ALIVE, STALE_S, Pulse, stage_dir
+
+    beats = stage_dir(cfg, "data")
+    pulses = {r: Pulse(beats / (ALIVE if r == 0 else f"{ALIVE}.rank{r}"), stale_s or STALE_S, 60 * cfg.hang_minutes)
+              for r in range(world) if r != rank}
+    return lambda r: pulses[r].problem(f"rank {r}", "writing its synth batches")
 
 
 def _synthesize(writer: TargetWriter | ServerWriter, tokenizer, s: dict, path: Path, mine: Path, name: str,
-                rank: int, world: int) -> tuple[list[dict], dict]:
+                rank: int, world: int, stalled: Callable[[int], str | None] | None) -> tuple[list[dict], dict]:
     files = BatchFiles(path)
     batches = files.refresh()
     hints = s["hints"] or [{"category": "general", "hint": None}]
@@ -394,7 +410,9 @@ def _synthesize(writer: TargetWriter | ServerWriter, tokenizer, s: dict, path: P
                          if c % world == rank and c not in batches]
                 if ahead:  # this rank's next batches (batch b first when it is this rank's), no more than n needs
                     write(f, ahead[:max(1, min(at_once, -(-(s["n"] - len(kept)) // bs)))])
-                else:      # another rank's batch: written soon
+                else:      # another rank's batch: written soon, unless that rank stopped or hangs
+                    if stalled is not None and (why := stalled(b % world)):
+                        raise DataError(f"{why} (the batches written so far are kept in {path}'s part files)")
                     time.sleep(0.5)
                     files.refresh()
                 continue
@@ -445,7 +463,8 @@ class Synthesizer:
         dcfg = self.cfg.data
         s = settings(source, int(self.cfg.seed))
         directory = dcfg.get("synth_dir") or Path(dcfg.regen.dir).parent / "synth"
-        path = found_cache([cache_file(directory, fp, s) for fp in target_fingerprints(self.cfg)])
+        path = found_cache([cache_file(directory, fp, s, as_written) for as_written in (False, True)
+                            for fp in target_fingerprints(self.cfg)])
         path.parent.mkdir(parents=True, exist_ok=True)
         # Under a launcher with hf regeneration every rank reads the sources: they write the batches together
         # (rank r the batches b = r mod world) and each filters all of them (every rank has the same prompts).
@@ -455,8 +474,9 @@ class Synthesizer:
         else:  # the target in this process: engine_client's, shared with the answers
             writer = TargetWriter(self.client or LocalTarget(self.cfg), dcfg.regen.batch_size,
                                   refill_rows(dcfg.regen))
-        kept, self.stats[name] = synthesize(writer, self.tokenizer, s, path, name, dist.rank() if world > 1 else 0,
-                                            world)
+        rank = dist.rank() if world > 1 else 0
+        kept, self.stats[name] = synthesize(writer, self.tokenizer, s, path, name, rank, world,
+                                            rank_pulses(self.cfg, rank, world) if world > 1 else None)
         st = self.stats[name]
         log(f"[data] synth: {st['kept']} prompts ({st['attempts']} attempts, {st['batches_generated']} batches "
             f"generated, {st['batches_cached']} cached; near-duplicates {st['near_duplicate_rate']:.1%}; "

@@ -33,7 +33,7 @@ import torch
 import transformers
 from omegaconf import DictConfig, OmegaConf
 
-from data.formats import appending, read_jsonl
+from data.formats import appending, durable_replace, read_jsonl
 from eval.decoder import DECODER_VERSION
 from train.stages import digest
 
@@ -67,11 +67,11 @@ def baseline_settings(cfg: DictConfig) -> dict:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """``path`` holds the old text or ``text``, never a torn mix (a crash, a full disk)."""
+    """``path`` holds the old text or ``text``, never a torn mix or an empty file (a crash, a node's, a full disk)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
-    os.replace(tmp, path)
+    durable_replace(tmp, path)
 
 
 class JsonCache:

@@ -111,7 +111,7 @@ def test_extract_survives_kill_9(prepared, tmp_path):
     """SIGKILL in the middle of extraction, rerun: complete and identical to an uninterrupted run."""
     cfg = fresh_run(prepared, tmp_path, "extract.shard_mb=0.02", stages=("data",))
     out = stage_dir(cfg, "extract")
-    proc = cli(["stages=[extract]", "extract.shard_mb=0.02"], tmp_path, killed_after("train.extract:_durable_replace", 2))
+    proc = cli(["stages=[extract]", "extract.shard_mb=0.02"], tmp_path, killed_after("train.extract:durable_replace", 2))
     output = proc.output(300)
     assert proc.returncode == -signal.SIGKILL, output[-3000:]
     written = len(list(out.glob("*.safetensors")))

@@ -359,6 +359,41 @@ def test_top_k_reaches_every_backend_and_keys_its_own_cache(tiny, reference, tmp
     assert cache_file("d", "fp", rcfg, None) != Path("d") / f"{before}.jsonl"
 
 
+def test_a_servers_answer_gets_time_for_its_length():
+    """A request's answer comes whole: by default a server may take 600 s plus max_new_tokens at 10 tokens/s (a fixed
+    600 s timed out 16k-token reasoning answers on a loaded server, retried each, then stopped the run); a
+    data.regen.timeout_s set is kept."""
+    from data.engines import engine_client, request_timeout
+
+    assert request_timeout(make_cfg(["data.regen.max_new_tokens=16384"]).data.regen) == pytest.approx(2238.4)
+    assert request_timeout(make_cfg(["train=full"]).data.regen) == pytest.approx(804.8)
+    assert request_timeout(make_cfg(["data.regen.timeout_s=30"]).data.regen) == 30.0
+    with engine_client(make_cfg(["data.regen.backend=openai", "data.regen.max_new_tokens=1000"])) as client:
+        assert client.timeout_s == 700.0
+
+
+def test_sampling_settings_name_the_caches_by_value(tmp_path):
+    """``data.regen.temperature=0`` (an int on the command line) names the default 0.0's answer cache, as does a synth
+    source's ``temperature: 1`` its 1.0's: not a second regeneration of the same answers. A cache made under the
+    name as written (before 2026-12-07) is found and copied to the new name."""
+    from omegaconf import OmegaConf
+
+    import data.synth as synth
+    from data.regenerate import found_cache
+
+    written = OmegaConf.create({"max_new_tokens": 12, "temperature": 0, "top_p": 1, "seed": 0, "top_k": 0})
+    floats = OmegaConf.create({**written, "temperature": 0.0, "top_p": 1.0})
+    assert cache_file(tmp_path, "fp", written, None) == cache_file(tmp_path, "fp", floats, None) \
+        == cache_file(tmp_path, "fp", floats, None, as_written=True)
+    paths = [cache_file(tmp_path, "fp", written, None, as_written) for as_written in (False, True)]
+    assert paths[0] != paths[1]
+    paths[1].write_text('{"key": "k"}\n')
+    assert found_cache(paths) == paths[0] and paths[0].read_text() == '{"key": "k"}\n'
+    one = synth.settings({"type": "synth", "temperature": 1, "top_p": 1}, 0)
+    assert synth.cache_file(tmp_path, "fp", one) == synth.cache_file(tmp_path, "fp", synth.settings({"type": "synth"}, 0))
+    assert synth.cache_file(tmp_path, "fp", one, as_written=True) != synth.cache_file(tmp_path, "fp", one)
+
+
 @pytest.mark.parametrize("args, gpus, cpu_build, added, used, error", [
     ([], 8, False, ["--data-parallel-size", "8"], 8, None),
     (["--tensor-parallel-size", "2"], 8, False, [], 2, None),

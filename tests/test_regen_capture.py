@@ -266,11 +266,21 @@ def test_a_reasoning_cut_at_max_new_tokens_trains_on_what_the_target_saw(tmp_pat
 
 
 @pytest.mark.parametrize("writes", ["text", "bytes"])
-def test_kept_states_cover_multi_turn_and_truncated_answers(tmp_path, text_twin, writes):
+def test_kept_states_cover_multi_turn_and_truncated_answers(tmp_path, text_twin, writes, monkeypatch):
     """Two user turns, and answers cut at max_new_tokens: the last turn's prefill covers the first turn, the
     last token of a cut answer and the template's end of turn are fed, so the states cover the whole row. A
     random twin writes bytes that are not UTF-8 (its text tokenises to other ids): the rows train on the ids it
-    generated (data.template.as_generated), which its kept states cover."""
+    generated (data.template.as_generated), which its kept states cover. No state of the first turn's passes is
+    copied to host memory (they were, then dropped: 48 MB a 2k-token turn at 8B)."""
+    import data.regenerate
+
+    copied, keep = [], data.regenerate._keep
+
+    def counted(kept, jobs, out, layers, last):
+        copied.append(sum(n for job, n in zip(jobs, last, strict=True) if kept[job] is not None) if layers else 0)
+        keep(kept, jobs, out, layers, last)
+
+    monkeypatch.setattr(data.regenerate, "_keep", counted)
     conv = {"turns": ["Say one word.", "And another one?"]}
     path = tmp_path / "two_turns.jsonl"
     path.write_text(json.dumps(conv) + "\n" + json.dumps({"turns": ["Count to three."]}) + "\n")
@@ -282,6 +292,7 @@ def test_kept_states_cover_multi_turn_and_truncated_answers(tmp_path, text_twin,
     ds, checked = _check_captured(cfg)
     assert checked == len(ds) == 2 and sum("And another one?" in load_tokenizer(cfg).decode(r["input_ids"])
                                            for r in ds) == 1
+    assert sum(copied) == sum(len(r["input_ids"]) for r in ds)
     from tests.test_regen_backends import cache_of
 
     spliced = [r for r in cache_of(cfg).values() if "token_ids" in r["messages"][-1]]

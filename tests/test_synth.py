@@ -287,6 +287,25 @@ def test_ranks_write_the_batches_together_and_keep_what_one_process_keeps(fake_g
     assert synth.synthesize(writer(model), tok, settings(n=10), path)[0] == alone and not fake_generate
 
 
+def test_a_rank_waiting_for_a_batch_of_a_rank_that_stopped_beating_stops(fake_generate, tmp_path):
+    """Rank 0 of 2 needs rank 1's batches (b = 1 mod 2); rank 1 never beats (killed on another node, where no
+    launcher sees it): rank 0 stops once its heartbeat is stale, naming the rank, instead of waiting forever. Its own
+    batches stay in its part file."""
+    from tests.conftest import make_cfg
+    from train.stages import ALIVE, stage_dir
+
+    tok, model = _build_tiny_tokenizer("chatml"), FakeModel()
+    cfg = make_cfg([f"output_root={tmp_path}"])
+    stage_dir(cfg, "data").mkdir(parents=True)
+    path, start = tmp_path / "two.jsonl", time.monotonic()
+    with pytest.raises(synth.DataError, match=rf"rank 1 stopped writing its synth batches: its heartbeat "
+                                              rf".*{ALIVE}.rank1 has not changed for 1 s"):
+        synth.synthesize(writer(model), tok, settings(n=10), path, rank=0, world=2,
+                         stalled=synth.rank_pulses(cfg, 0, 2, stale_s=1.0))
+    assert time.monotonic() - start < 30
+    assert {row["batch"] for row in read_jsonl(synth.part_file(path, 0))} >= {0}
+
+
 def test_two_runs_side_by_side_share_the_cache(fake_generate, tmp_path):
     """Two heads of one target started side by side (two processes on one cache file; threads here): the second
     waits for the first's lock, then replays what it wrote: every batch is generated once."""

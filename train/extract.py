@@ -40,6 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from data.captured import CapturedStates, OpenShards, keeps_states
+from data.formats import durable_replace
 from data.stage import load_dataset, row_lengths
 from heads.io import head_config
 from train import dist
@@ -153,19 +154,6 @@ def _complete(path: Path, fps: set[str]) -> bool:
             return (f.metadata() or {}).get("fingerprint") in fps
     except Exception:  # safetensors' SafetensorError (header too small, file not fully covered), OSError
         return False
-
-
-def _durable_replace(tmp: Path, path: Path) -> None:
-    """Rename ``tmp`` to ``path`` once its bytes are on disk (fsync), and the rename too: without it a node crash
-    can leave a zero-length file under the final name."""
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def check_disk(path: Path, needed: int, margin: float) -> None:
@@ -320,7 +308,7 @@ def run(cfg: DictConfig) -> dict:
                        "argmax": torch.cat([pieces[r][1] for r in rows]).contiguous(),
                        "row_index": torch.tensor(rows, dtype=torch.long), "offsets": offsets},
                       str(tmp), metadata={"layers": json.dumps(layers), "split": split, "fingerprint": fp})
-            _durable_replace(tmp, out / shard["file"])
+            durable_replace(tmp, out / shard["file"])
         dummy = torch.full((1, 1), tokenizer.pad_token_id, dtype=torch.long, device=device)
         for _ in range(n_passes - done_passes):  # keep ZeRO-3 ranks in step
             capture(model, dummy, layers)
