@@ -512,8 +512,8 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
                 stats["new_tokens"] += n
                 f.write(cache_line(row))
                 f.flush()
-                os.fsync(f.fileno())
                 bar.update(1)
+            os.fsync(f.fileno())   # outside the lock: 10-50 ms on a network filesystem held every thread up
 
     errors = []
     with appending(path) as f, futures.ThreadPoolExecutor(max_workers=client.concurrency) as pool:

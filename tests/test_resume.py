@@ -144,6 +144,30 @@ def test_an_identical_upstream_rerun_keeps_downstream(prepared, tmp_path, monkey
     assert fingerprint(other, "extract") != before["extract"]["fingerprint"]
 
 
+def test_an_online_head_follows_its_target_where_the_data_is_the_same(tmp_path):
+    """Data not regenerated is the same from another target of the same tokenizer (a fine-tune; another seed of a
+    twin here): train.online trains against the target itself, so its head is not up to date. The data rebuilt
+    (force=[data]) came out the same, and the train stage was skipped, keeping the other target's head; now its
+    checkpoints are refused, and force=[train] trains the head again."""
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"Tell me about {t}."},
+                                                           {"from": "gpt", "value": f"{t} is nice, said the {u}."}]})
+                             + "\n" for t in ("tea", "rust", "rain", "maps", "cats", "jazz") for u in ("fox", "owl")))
+    base = [*BASE, f"output_root={tmp_path}", f"data.sources=[{{path:'{chats}'}}]", "data.regenerate=false",
+            "train.online=true", "stages=[data,train]", "train.max_steps=2"]
+    cfg = make_cfg(base)
+    run_stages(cfg)
+    before = {s: read_marker(cfg, s) for s in ("data", "train")}
+    dataset_id = json.loads((stage_dir(cfg, "data") / "manifest.json").read_text())["dataset_id"]
+    other = [*base, "model.init_seed=1"]
+    with pytest.raises(train.loop.CheckpointMismatchError, match="upstream data output changed"):
+        run_stages(make_cfg([*other, "force=[data]"]))
+    assert json.loads((stage_dir(cfg, "data") / "manifest.json").read_text())["dataset_id"] == dataset_id
+    assert read_marker(cfg, "data")["output_id"] != before["data"]["output_id"]
+    run_stages(make_cfg([*other, "force=[train]"]))
+    assert read_marker(cfg, "train")["fingerprint"] != before["train"]["fingerprint"]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Training checkpoints
 

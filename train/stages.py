@@ -258,11 +258,16 @@ def fingerprint(cfg: DictConfig, name: str, ignore: tuple[str, ...] = (), legacy
 
 def output_id(cfg: DictConfig, name: str, fp: str) -> str:
     """A hash of the stage's output files (:data:`OUTPUTS`) and its upstream output ids; ``fp`` for
-    stages without such files."""
+    stages without such files. The data's also names the target its manifest was made for: data not regenerated is
+    the same from another target of the same tokenizer, which ``train.online`` trains against (offline, the extract
+    manifest names it). A marker keeps the id it was written with, so this reruns nothing made before it."""
     patterns = OUTPUTS.get(name)
     if not patterns:
         return fp
-    return files_id(stage_dir(cfg, name), patterns, json.dumps(upstream_ids(cfg, name), sort_keys=True))
+    salt = json.dumps(upstream_ids(cfg, name), sort_keys=True)
+    if name == "data" and (manifest := stage_dir(cfg, name) / "manifest.json").exists():
+        salt += json.loads(manifest.read_text()).get("target_fingerprint", "")
+    return files_id(stage_dir(cfg, name), patterns, salt)
 
 
 def files_id(root: Path, patterns: list[str], salt: str = "") -> str:
