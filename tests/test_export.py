@@ -117,12 +117,15 @@ def test_eagle3_formats_names_shapes_dtypes_flags(eagle_export):
     assert vllm_cfg["target_hidden_size"] == target.config.hidden_size
     assert vllm_cfg["vocab_size"] == target.config.vocab_size and vllm_cfg["num_hidden_layers"] == 1
     assert "embed_tokens.weight" not in vllm_t
-    # Layer ids: vLLM = hidden state entering layer i (ours); SGLang = output of layer i (ours - 1).
-    # vLLM's model runner V2 (its GPU default) reads the attribute of the draft's loaded config, nothing nested.
-    assert getattr(AutoConfig.from_pretrained(read(cfg, "vllm")[0]), "eagle_aux_hidden_state_layer_ids", None) == ours
-    assert "eagle_aux_hidden_state_layer_ids" not in vllm_cfg["eagle_config"]  # SGLang would read it as its own
+    # Layer ids: vLLM = hidden state entering layer i (ours); SGLang = output of layer i (ours - 1). Each folder
+    # holds both, where each engine reads them: vLLM's model runners the attribute of the draft's loaded config first
+    # (V2, its GPU default, only that), SGLang eagle_config's alone. So either folder taps the trained layers in
+    # either engine (one convention in one place tapped others in the other engine, with no error).
+    for fmt in ("vllm", "sglang"):
+        folder, fmt_cfg, _ = read(cfg, fmt)
+        assert getattr(AutoConfig.from_pretrained(folder), "eagle_aux_hidden_state_layer_ids", None) == ours, fmt
+        assert [i + 1 for i in fmt_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]] == ours, fmt
     _, sglang_cfg, _ = read(cfg, "sglang")
-    assert sglang_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in ours]
     _, spec_cfg, spec_t = read(cfg, "speculators")
     assert spec_cfg["speculators_model_type"] == "eagle3"
     # Our layer normalises neither fc's input nor its output (vLLM's speculators reader defaults

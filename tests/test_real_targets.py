@@ -66,10 +66,9 @@ def assert_layer_config_is_the_targets(preset, config, fmt: str, exported: dict)
     assert exported["target_hidden_size"] == preset.hidden_size
     n = preset.num_hidden_layers
     taps = [2, n // 2, n - 3]   # entering layer i; SGLang: output of layer i - 1
-    if fmt == "sglang":
+    assert exported["eagle_aux_hidden_state_layer_ids"] == taps
+    if fmt != "speculators":
         assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in taps]
-    else:
-        assert exported["eagle_aux_hidden_state_layer_ids"] == taps
 
 
 def test_padded_twins_are_padded():

@@ -171,19 +171,18 @@ def build(fmt: str, head, target: TargetWeights, cfg: DictConfig, dtype: torch.d
             "torch_dtype": dname,
         }
         return tensors, config
-    ids = _ids_in_file(fmt, c)
+    ids = list(c.aux_layers)
     if not maps_vocab(fmt, c):
         cast = {k: v for k, v in cast.items() if k not in ("d2t", "t2d")}
     if fmt in ("vllm", "sglang"):
-        config = {"architectures": ["LlamaForCausalLMEagle3"], **eagle3_config_json(c, dname),
-                  **NORM_FLAGS, "eagle_config": {"use_aux_hidden_state": True}}
-        if fmt == "vllm":
-            # Top level: vLLM 0.32's model runner V2 (its default on GPUs) reads only this attribute of the
-            # draft's config (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py) and otherwise taps its defaults
-            # [2, N//2, N-3] with no error; only the V1 runner (CPU) also looked inside eagle_config.
-            config["eagle_aux_hidden_state_layer_ids"] = ids
-        else:  # SGLang reads eagle_config only, in its convention (_ids_in_file)
-            config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+        # The aux layer ids in both engines' conventions, where each reads them: either folder serves in either
+        # engine. Top level, vLLM's (entering layer i): vLLM 0.32's model runners V1 and V2 read it first (V2, its
+        # GPU default, nothing else: without it, its defaults [2, N//2, N-3] with no error). eagle_config, SGLang's
+        # (output of layer i: ours - 1): SGLang reads only that, and vLLM only its length. One convention in one
+        # place tapped the wrong layers in the other engine, with no error.
+        config = {"architectures": ["LlamaForCausalLMEagle3"], **eagle3_config_json(c, dname), **NORM_FLAGS,
+                  "eagle_aux_hidden_state_layer_ids": ids,
+                  "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": _sglang_ids(c)}}
         return cast, config
     # speculators: layer names "layers.0.*", the target's embedding included.
     tensors = {k.replace("midlayer.", "layers.0."): v for k, v in cast.items()}
@@ -273,9 +272,7 @@ def import_export(path: str | Path, fmt: str, target) -> torch.nn.Module:
         tensors["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)
     else:
         layer = config.get("transformer_layer_config", config)
-        ids = config.get("eagle_aux_hidden_state_layer_ids") or config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-        if fmt == "sglang":
-            ids = [i + 1 for i in ids]
+        ids = config["eagle_aux_hidden_state_layer_ids"]   # ours (vLLM's convention) in every EAGLE-3 format
         c = Eagle3Config(
             vocab_size=layer["vocab_size"], draft_vocab_size=config.get("draft_vocab_size", layer.get("draft_vocab_size")),
             hidden_size=layer["hidden_size"], target_hidden_size=config.get("target_hidden_size", layer.get("target_hidden_size")),
@@ -416,8 +413,9 @@ def model_card(fmt: str, cfg: DictConfig, c: Eagle3Config | MedusaConfig, report
         "where the answers differ)",
     ]
     if isinstance(c, Eagle3Config):
-        lines.append(f"- aux hidden states (HF hidden_states index = vLLM convention): {list(c.aux_layers)}; "
-                     f"in this file's convention: {_ids_in_file(fmt, c)}")
+        lines.append(f"- aux hidden states (HF hidden_states index = vLLM convention): {list(c.aux_layers)}"
+                     + ("" if fmt == "speculators" else f"; in SGLang's (output of layer i, in `eagle_config`): "
+                        f"{_sglang_ids(c)}"))
     if not license_key:
         lines.append("- license: unknown for this target; set `export.license` (a Hub license key) before publishing")
     if llama:
@@ -489,9 +487,9 @@ def portable(text: str, cfg: DictConfig) -> str:
     return text
 
 
-def _ids_in_file(fmt: str, c: Eagle3Config) -> list[int]:
-    """The aux layer ids as the format's config.json holds them: SGLang's "output of layer i" = our index i + 1."""
-    return [i - 1 for i in c.aux_layers] if fmt == "sglang" else list(c.aux_layers)
+def _sglang_ids(c: Eagle3Config) -> list[int]:
+    """The aux layer ids in SGLang's convention: its "output of layer i" = our index i + 1."""
+    return [i - 1 for i in c.aux_layers]
 
 
 def measurements(cfg: DictConfig) -> tuple[dict | None, dict | None]:

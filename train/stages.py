@@ -88,8 +88,9 @@ OUTPUTS = {
     "train": ["head/*.safetensors", "head/head_config.json"],
 }
 # Bumped when a stage's output format changes, so older outputs are redone rather than misread.
-FORMAT_VERSION = {"data": 2, "extract": 2, "export": 3}  # export 2: vLLM EAGLE-3 layer ids at the top level;
-# 3: no d2t/t2d in the vLLM formats of a head over the whole vocabulary (vLLM 0.32 refused the file)
+FORMAT_VERSION = {"data": 2, "extract": 2, "export": 4}  # export 2: vLLM EAGLE-3 layer ids at the top level;
+# 3: no d2t/t2d in the vLLM formats of a head over the whole vocabulary (vLLM 0.32 refused the file); 4: the EAGLE-3
+# layer ids in both engines' conventions in both folders (vLLM's at the top level, SGLang's in eagle_config)
 # Stages that run on every rank (they split their work); the others run on rank 0 while the rest wait
 # for the stage's marker file (multi-node runs need the run directory on a shared filesystem).
 DISTRIBUTED = {"extract", "train"}
