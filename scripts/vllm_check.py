@@ -8,8 +8,8 @@ as ``--engine <spec.json>``; that part imports only the standard library and vLL
 per target runs its configurations one after another, in-process (a new LLM costs seconds, a new
 process ~45 s): no speculation, every export (EAGLE-3: ``export/vllm`` and ``export/speculators``;
 ``export/medusa``), then vLLM's n-gram drafter (the zero-cost baseline a trained head must beat).
-Meanwhile our chain decoder runs each head re-imported from that same export folder
-(``train.export.import_export``), so matching acceptance shows that layer ids, norms and the
+Meanwhile (after it, where the two copies of the target do not fit in host memory) our chain decoder runs each head
+re-imported from that same export folder (``train.export.import_export``), so matching acceptance shows that layer ids, norms and the
 vocabulary mapping survived the export. Per run directory the figures go to
 ``<run_dir>/export/vllm_check.json`` (definitions included); the exit status is 1 when any
 speculative output differs from the no-speculation output, vLLM taps other target layers than an EAGLE-3
@@ -286,6 +286,24 @@ class TargetCheck:
     log: Path
 
 
+def side_by_side(cfg: DictConfig, dtype: str) -> bool:
+    """Whether our decoder's float32 copy of the target fits in host memory beside the engine's (in ``dtype``): then
+    it runs meanwhile, else after the engine (an 8B target: 32 + 32 GB in float32, more than many hosts have)."""
+    import psutil
+    import torch
+
+    from train.plan import shapes
+    from train.target import load_config
+
+    params = shapes(cfg, load_config(cfg)).target_params
+    need, free = params * (4 + getattr(torch, dtype).itemsize), psutil.virtual_memory().available
+    if need < 0.8 * free:
+        return True
+    print(f"[vllm-check] the engine's copy of the target and ours take ~{need / 2**30:.0f} GiB, "
+          f"{free / 2**30:.0f} GiB are available: our decoder runs after the engine", flush=True)
+    return False
+
+
 def check_target(target_dir: str, members: list[tuple[Path, DictConfig]], args) -> TargetCheck:
     """Run the engine process on every export of these run directories, and our decoder meanwhile."""
     import torch
@@ -304,7 +322,10 @@ def check_target(target_dir: str, members: list[tuple[Path, DictConfig]], args) 
         proc = subprocess.Popen([str(args.vllm_python), str(Path(__file__).resolve()), "--engine", str(spec_file)],
                                 env={**os.environ, **ENGINE_ENV}, stdout=log_file, stderr=subprocess.STDOUT)
         try:
-            torch.set_num_threads(1)   # the engine computes on the other core meanwhile
+            if side_by_side(cfg, args.dtype):
+                torch.set_num_threads(1)   # the engine computes on the other core meanwhile
+            else:
+                proc.wait()
             ours = ours_for_exports(cfg, exports, prompts, args.max_tokens)
             rc = proc.wait()
         finally:

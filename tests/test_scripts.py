@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -280,6 +281,26 @@ def test_vllm_check_counts_tokens_per_pass_over_every_pass():
     assert head["tau"] == head["tokens_per_pass"] == 2.0     # 10 passes, each 1 accepted + 1
     ngram = acceptance(drafts=4, draft_tokens=12, accepted=8, accepted_per_pos=[4, 3, 1], tokens=tokens)
     assert ngram["tau"] == 3.0 and ngram["tokens_per_pass"] == round(20 / 12, 4)   # 4 drafted + 8 plain passes
+
+
+def test_vllm_check_runs_our_decoder_after_the_engine_where_both_copies_do_not_fit(monkeypatch, capsys):
+    """Our decoder's float32 target beside the engine's: meanwhile where both fit in the host's available memory,
+    after the engine where not (an 8B target: ~64 GB in float32, which killed the check on a 64 GB host)."""
+    import psutil
+
+    sys.path.insert(0, str(SCRIPTS))
+    from vllm_check import side_by_side
+
+    from train.plan import shapes
+    from train.target import load_config
+
+    cfg = make_cfg(["model=tiny-llama"])
+    both = shapes(cfg, load_config(cfg)).target_params * (4 + 2)
+    for available, fits in ((2 * both, True), (both, False)):
+        monkeypatch.setattr(psutil, "virtual_memory", lambda available=available: types.SimpleNamespace(
+            available=available))
+        assert side_by_side(cfg, "bfloat16") is fits
+    assert "our decoder runs after the engine" in capsys.readouterr().out
 
 
 def test_weight_decay_skips_norms_and_biases():
