@@ -24,6 +24,7 @@ A row's ``system``/``system_prompt`` field is its system turn.
 from __future__ import annotations
 
 import base64
+import errno
 import gzip
 import hashlib
 import json
@@ -350,11 +351,15 @@ def durable_replace(tmp: Path, path: Path) -> None:
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:   # a filesystem that syncs no directory (EINVAL on some network filesystems): the file is
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES):   # synced, the rename as it may
+            raise
 
 
 def rewrite_jsonl(path: Path, rows: Iterable[dict]) -> None:

@@ -203,12 +203,13 @@ def _keep(kept: dict, jobs: list, out, layers: list[int] | None, last: list[int]
     host memory: one copy per pass (the step already waits for its sampled tokens), each row's slice cloned: a view
     would hold the whole padded batch of every pass the row took part in until its last neighbour finished (4-13
     GB per rank at 8B, on the GPU or in host memory)."""
-    if not layers:
+    rows = [j for j, job in enumerate(jobs) if kept[job] is not None]
+    if not layers or not rows:
         return
-    states = torch.stack([out.hidden_states[i] for i in layers], 2).to("cpu")  # [B, T, n_layers, H]
-    for j, job in enumerate(jobs):
-        if kept[job] is not None:
-            kept[job].append(states[j, states.shape[1] - last[j]:].clone())
+    index = torch.tensor(rows, device=out.hidden_states[layers[0]].device)
+    states = torch.stack([out.hidden_states[i][index] for i in layers], 2).to("cpu")  # [kept rows, T, n_layers, H]
+    for k, j in enumerate(rows):
+        kept[jobs[j]].append(states[k, states.shape[1] - last[j]:].clone())
 
 
 def cache_file(directory: str, target_fp: str, rcfg, system_prompt: str | None, thinking: bool | None = None,

@@ -30,10 +30,11 @@ from train.target import last_logits_only, masks_single_queries
 
 # Bumped when a change to the decoder changes its timings: cached plain / n-gram records and verify times
 # (eval.shared) measured by another version are not reused.
-DECODER_VERSION = 6  # 3: the KV cache in preallocated buffers (train.kvcache); 4: prefills index the last position
+DECODER_VERSION = 7  # 3: the KV cache in preallocated buffers (train.kvcache); 4: prefills index the last position
                      # (train.target.last_logits_only) where the target computes its own logits; 5: the root alone
                      # attends under a mask on the CPU (SpecDecoder.mask_root); 6: the linear layers of a verify pass
-                     # in the faster GEMM layout for its row count on the CPU (SpecDecoder.verify)
+                     # in the faster GEMM layout for its row count on the CPU (SpecDecoder.verify); 7: `make demo` no
+                     # longer sets OMP_WAIT_POLICY=PASSIVE (its timings are not reused: eval.shared.machine)
 
 # The two GEMM layouts of x @ W.T for x [rows, in]: SpecDecoder.logits keeps the faster per row count for the lm_head,
 # SpecDecoder.verify the faster for all the target's decoder layers together per verify pass's row count (CPU).

@@ -44,11 +44,14 @@ T = TypeVar("T")
 def machine(target) -> dict:
     """What timings depend on besides the target's weights: the platform, CPUs, torch threads (as set now; on
     the CPU only: a GPU's timings do not follow them, and an eval after training inherits the threads training
-    set per rank, which a rerun of eval alone does not), device, dtype and the torch / transformers versions."""
+    set per rank, which a rerun of eval alone does not) and OpenMP's wait policy (PASSIVE: a verify pass of 2+
+    tokens took 1.8-2.2x as long on the 2-core CPU), device, dtype and the torch / transformers versions."""
     weight = next(target.parameters())
-    threads = torch.get_num_threads() if weight.device.type == "cpu" else None
+    cpu = weight.device.type == "cpu"
+    threads = torch.get_num_threads() if cpu else None
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "threads": threads, "device": str(weight.device),
+            "cpus": os.cpu_count(), "threads": threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") if cpu
+            else None, "device": str(weight.device),
             "gpu": torch.cuda.get_device_name(weight.device) if weight.device.type == "cuda" else None,
             "dtype": str(weight.dtype), "torch": torch.__version__, "transformers": transformers.__version__}
 

@@ -511,6 +511,10 @@ def run(cfg: DictConfig) -> dict:
     if not prompts:
         raise ValueError("eval: no prompts (check eval.datasets, eval.questions and eval.limit)")
     log(f"[eval] {len(prompts)} prompts, {kind} head, device {target.device}, {target.dtype}")
+    if target.device.type == "cpu" and os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
+        log("[eval] warning: OMP_WAIT_POLICY=PASSIVE: OpenMP threads sleep between the target's GEMMs, and its verify "
+            "passes of 2+ tokens take ~2x as long (1.8-2.2x on a 2-core CPU): the speedups measured here understate "
+            "what the heads do; unset it for the eval")
 
     methods = resolve_methods(OmegaConf.to_container(cfg.eval.methods) if OmegaConf.is_config(cfg.eval.methods)
                               else cfg.eval.methods, kind)

@@ -296,7 +296,9 @@ def side_by_side(cfg: DictConfig, dtype: str) -> bool:
     from train.target import load_config
 
     params = shapes(cfg, load_config(cfg)).target_params
-    need, free = params * (4 + getattr(torch, dtype).itemsize), psutil.virtual_memory().available
+    engine = getattr(torch, dtype, None)   # (auto, and names vLLM knows but torch does not: as float32)
+    need = params * (4 + (engine.itemsize if isinstance(engine, torch.dtype) else 4))
+    free = psutil.virtual_memory().available
     if need < 0.8 * free:
         return True
     print(f"[vllm-check] the engine's copy of the target and ours take ~{need / 2**30:.0f} GiB, "
@@ -321,12 +323,14 @@ def check_target(target_dir: str, members: list[tuple[Path, DictConfig]], args) 
         spec_file.write_text(json.dumps(engine_spec(target_dir, prompts, exports, args, results)))
         proc = subprocess.Popen([str(args.vllm_python), str(Path(__file__).resolve()), "--engine", str(spec_file)],
                                 env={**os.environ, **ENGINE_ENV}, stdout=log_file, stderr=subprocess.STDOUT)
+        ours: list[dict] = []
         try:
             if side_by_side(cfg, args.dtype):
                 torch.set_num_threads(1)   # the engine computes on the other core meanwhile
             else:
                 proc.wait()
-            ours = ours_for_exports(cfg, exports, prompts, args.max_tokens)
+            if proc.poll() in (None, 0):   # (an engine that failed is reported below, before our decoder's minutes)
+                ours = ours_for_exports(cfg, exports, prompts, args.max_tokens)
             rc = proc.wait()
         finally:
             if proc.poll() is None:

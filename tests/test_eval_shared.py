@@ -150,6 +150,17 @@ def test_baseline_keys(tmp_path, tiny_llama_cfg):
     assert machine(off_cpu)["threads"] is None and machine(target)["threads"] == 1
 
 
+def test_timings_under_another_openmp_wait_policy_are_not_reused(monkeypatch):
+    """OMP_WAIT_POLICY=PASSIVE (the Makefile set it for `make demo` too) made the CPU's verify passes of 2+ tokens
+    1.8-2.2x as long: records and verify times measured so are another machine's, on the CPU."""
+    target = torch.nn.Linear(2, 2)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    unset = target_identity("fp", [1], target)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert machine(target)["omp_wait_policy"] == "PASSIVE" and target_identity("fp", [1], target) != unset
+    assert machine(torch.nn.Linear(2, 2, device="meta"))["omp_wait_policy"] is None   # a GPU's timings: not so
+
+
 def test_eval_reruns_on_another_precision_or_device(tiny_llama_cfg):
     """eval.dtype=auto follows the top-level dtype: a report measured in bf16 was kept for a dtype=float32 run
     (eval "up to date"). Training's result does not change with them (its checkpoints refuse another dtype)."""

@@ -4,6 +4,7 @@ trip into our own heads, and the publish stage (dry run and its errors)."""
 from __future__ import annotations
 
 import json
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -173,6 +174,14 @@ def test_eagle3_round_trip_gives_identical_outputs(eagle_export):
         a = bf16.logits(bf16(bf16.project(taps), ids, pos, KVCache()))
         b = again.logits(again(again.project(taps), ids, pos, KVCache()))
         assert torch.equal(a, b), fmt
+    # an sglang folder of export format 3 held SGLang's ids in eagle_config only: read as the same taps
+    old = stage_dir(cfg, "export") / "sglang-format3"
+    shutil.copytree(stage_dir(cfg, "export") / "sglang", old)
+    config = json.loads((old / "config.json").read_text())
+    del config["eagle_aux_hidden_state_layer_ids"]
+    (old / "config.json").write_text(json.dumps(config))
+    assert import_export(old, "sglang", target).config.aux_layers == head.config.aux_layers
+    shutil.rmtree(old)
 
 
 def test_a_full_vocabulary_eagle3_export_has_no_vocabulary_map_in_vllms_formats(cfg_factory):

@@ -292,7 +292,7 @@ def test_a_rank_waiting_for_a_batch_of_a_rank_that_stopped_beating_stops(fake_ge
     launcher sees it): rank 0 stops once its heartbeat is stale, naming the rank, instead of waiting forever. Its own
     batches stay in its part file."""
     from tests.conftest import make_cfg
-    from train.stages import ALIVE, stage_dir
+    from train.stages import ALIVE, FAILED, stage_dir
 
     tok, model = _build_tiny_tokenizer("chatml"), FakeModel()
     cfg = make_cfg([f"output_root={tmp_path}"])
@@ -304,6 +304,12 @@ def test_a_rank_waiting_for_a_batch_of_a_rank_that_stopped_beating_stops(fake_ge
                          stalled=synth.rank_pulses(cfg, 0, 2, stale_s=1.0))
     assert time.monotonic() - start < 30
     assert {row["batch"] for row in read_jsonl(synth.part_file(path, 0))} >= {0}
+    # rank 1 waiting on rank 0, which raised (its error in the data stage's _failed.json): stops at once, not after
+    # the stale limit
+    (stage_dir(cfg, "data") / FAILED).write_text(json.dumps({"error": "RuntimeError('CUDA error')"}))
+    with pytest.raises(synth.DataError, match=r"rank 0 failed \(RuntimeError\('CUDA error'\)\)"):
+        synth.synthesize(writer(model), tok, settings(n=10), tmp_path / "three.jsonl", rank=1, world=2,
+                         stalled=synth.rank_pulses(cfg, 1, 2))
 
 
 def test_two_runs_side_by_side_share_the_cache(fake_generate, tmp_path):

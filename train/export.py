@@ -2,8 +2,9 @@
 
 Formats (``export.formats: auto`` = all of the head's):
 - ``vllm``: classic Hugging Face EAGLE-3 directory (``LlamaForCausalLMEagle3``), loaded by vLLM; aux
-  layer ids in vLLM's convention (hidden state entering layer i = our HF hidden_states index).
-- ``sglang``: the same tensors with SGLang's layer-id convention (output of layer i = ours - 1).
+  layer ids in both engines' conventions: vLLM's at the top level (hidden state entering layer i = our HF
+  hidden_states index), SGLang's in ``eagle_config`` (output of layer i = ours - 1).
+- ``sglang``: the same files, with SGLang's serve commands in its model card.
 - ``speculators``: vLLM's native speculators format (``vllm serve <dir>`` picks up the target).
 - ``medusa``: vLLM's Medusa format (its path and repo id free of :data:`VLLM_METHOD_WORDS`: vLLM switches methods
   on them).
@@ -272,7 +273,9 @@ def import_export(path: str | Path, fmt: str, target) -> torch.nn.Module:
         tensors["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)
     else:
         layer = config.get("transformer_layer_config", config)
-        ids = config["eagle_aux_hidden_state_layer_ids"]   # ours (vLLM's convention) in every EAGLE-3 format
+        ids = config.get("eagle_aux_hidden_state_layer_ids")   # ours (vLLM's convention) in every EAGLE-3 format
+        if ids is None:   # an sglang folder of export format 3 or before: SGLang's convention, in eagle_config only
+            ids = [i + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
         c = Eagle3Config(
             vocab_size=layer["vocab_size"], draft_vocab_size=config.get("draft_vocab_size", layer.get("draft_vocab_size")),
             hidden_size=layer["hidden_size"], target_hidden_size=config.get("target_hidden_size", layer.get("target_hidden_size")),

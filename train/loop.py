@@ -385,21 +385,23 @@ def set_rng_state(state: dict) -> None:
 def deepspeed_config(tcfg: DictConfig, dtype: torch.dtype) -> dict:
     """DeepSpeed engine settings. In bf16, fp32 gradients (``train.grad_accum_dtype``) exist only in DeepSpeed's
     BF16 optimizer (fp32 master weights and gradients), which is ZeRO stage 1: stage 0 is raised to 1 (one rank:
-    the same; N ranks: optimizer states sharded), and stage 2 lowered to it (DeepSpeed's stage 2 accumulates and
-    reduces its gradient partitions in bf16 whatever ``grad_accum_dtype`` says; sharding a head's gradients saves
-    under 2 GB). The ranks' gradients are then all-reduced in fp32 too (``communication_data_type``: DeepSpeed's
-    default in bf16 is bf16, which rounds every step's gradient on N ranks and not on one)."""
+    the same; N ranks: optimizer states sharded); stage 2 is kept, with a warning (DeepSpeed's stage 2 accumulates
+    its gradient partitions in bf16 whatever ``grad_accum_dtype`` says; lowering it would load a stage-2 run's
+    checkpoints into another optimizer). The ranks' gradients are all-reduced in fp32 (``communication_data_type``:
+    DeepSpeed's default in bf16 is bf16, which rounds every step's gradient on N ranks and not on one)."""
     stage = tcfg.zero_stage
     extra = {}
     if dtype == torch.bfloat16:
         extra["data_types"] = {"grad_accum_dtype": tcfg.grad_accum_dtype}
         if tcfg.grad_accum_dtype == "fp32":
             extra["communication_data_type"] = "fp32"
-            if stage in (0, 2):
+            if stage == 0:
                 stage = 1
-                log("[train] bf16 with fp32 gradient accumulation: ZeRO stage 1 (DeepSpeed's BF16 optimizer)"
-                    + (", not 2 (its gradient partitions stay bf16; train.grad_accum_dtype=bf16 keeps stage 2)"
-                       if tcfg.zero_stage == 2 else ""))
+                log("[train] bf16 with fp32 gradient accumulation: ZeRO stage 1 (DeepSpeed's BF16 optimizer)")
+            elif stage == 2:
+                log("[train] warning: train.zero_stage=2 in bf16: DeepSpeed's stage 2 accumulates its gradient "
+                    "partitions in bf16 whatever train.grad_accum_dtype says; train.zero_stage=1 keeps fp32 gradients "
+                    "(DeepSpeed's BF16 optimizer; sharding a head's gradients saves under 2 GB)")
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": tcfg.grad_accum,
             "gradient_clipping": tcfg.grad_clip, "zero_optimization": {"stage": stage},
             "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16},
@@ -684,7 +686,7 @@ class Trainer:
         if (newer and newer.get("run") == state["run"] and newer["step"] >= state["step"]
                 and newer["sim_tau"] > state["best"]):
             state.update(best=newer["sim_tau"], best_step=newer["step"], bad_evals=0)
-            log(f"[train] head/ holds a better head saved at step {newer['step']}, after this checkpoint (sim_tau "
+            log(f"[train] head/ holds a better head saved at step {newer['step']}, after this checkpoint was (sim_tau "
                 f"{newer['sim_tau']:.3f}): kept unless beaten")
         if any(k in changed for k in ("train.val_tokens", "train.val_steps")):
             # other rows or another number of draft steps: a score on another scale. Against the old best, a

@@ -259,14 +259,15 @@ def fingerprint(cfg: DictConfig, name: str, ignore: tuple[str, ...] = (), legacy
 
 def output_id(cfg: DictConfig, name: str, fp: str) -> str:
     """A hash of the stage's output files (:data:`OUTPUTS`) and its upstream output ids; ``fp`` for
-    stages without such files. The data's also names the target its manifest was made for: data not regenerated is
-    the same from another target of the same tokenizer, which ``train.online`` trains against (offline, the extract
-    manifest names it). A marker keeps the id it was written with, so this reruns nothing made before it."""
+    stages without such files. Under ``train.online`` the data's also names the target its manifest was made for:
+    data not regenerated is the same from another target of the same tokenizer, and online training reads the target
+    itself (offline, the extract manifest names it; salting offline ids too would redo the extract of every run made
+    before whose data reran the same)."""
     patterns = OUTPUTS.get(name)
     if not patterns:
         return fp
     salt = json.dumps(upstream_ids(cfg, name), sort_keys=True)
-    if name == "data" and (manifest := stage_dir(cfg, name) / "manifest.json").exists():
+    if name == "data" and cfg.train.online and (manifest := stage_dir(cfg, name) / "manifest.json").exists():
         salt += json.loads(manifest.read_text()).get("target_fingerprint", "")
     return files_id(stage_dir(cfg, name), patterns, salt)
 
