@@ -237,7 +237,7 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
     """``hf`` regeneration split across the ranks; rank 0 merges the parts into ``path`` (see module doc). Rank 0
     stops when a rank that has not finished stops beating (``stale_s``), or beats without progress for
     ``hang_minutes`` (:class:`train.stages.Pulse`)."""
-    from train.stages import ALIVE, STALE_S, Pulse, stage_dir
+    from train.stages import STALE_S, rank_pulse
 
     rank, world, system_prompt = dist.rank(), dist.world_size(), cfg.data.system_prompt
     rcfg = cfg.data.regen
@@ -270,8 +270,7 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
         return None
 
     rank_done = {}
-    pulses = {r: Pulse(stage_dir(cfg, "data") / f"{ALIVE}.rank{r}", stale_s or STALE_S, 60 * cfg.hang_minutes)
-              for r in range(1, world)}
+    pulses = {r: rank_pulse(cfg, "data", r, stale_s or STALE_S) for r in range(1, world)}
     start, seen = time.time(), time.monotonic()
     waiting = progress(total=world, desc="ranks done", unit="rank")
     while len(rank_done) < world:

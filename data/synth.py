@@ -355,15 +355,14 @@ def synthesize(writer: TargetWriter | ServerWriter, tokenizer, s: dict, path: Pa
 def rank_pulses(cfg, rank: int, world: int, stale_s: float | None = None) -> Callable[[int], str | None]:
     """``stalled`` of :func:`synthesize` for rank ``rank`` of ``world`` under a launcher: why rank r has stopped
     writing its batches (:class:`train.stages.Pulse` on its heartbeat, rank 0's the stage's own), or None."""
-    from train.stages import ALIVE, FAILED, STALE_S, Pulse, stage_dir
+    from train.stages import FAILED, STALE_S, rank_pulse, stage_dir
 
-    beats = stage_dir(cfg, "data")
-    pulses = {r: Pulse(beats / (ALIVE if r == 0 else f"{ALIVE}.rank{r}"), stale_s or STALE_S, 60 * cfg.hang_minutes)
-              for r in range(world) if r != rank}
+    failed = stage_dir(cfg, "data") / FAILED
+    pulses = {r: rank_pulse(cfg, "data", r, stale_s or STALE_S) for r in range(world) if r != rank}
 
     def stalled(r: int) -> str | None:
-        if (beats / FAILED).exists():   # rank 0 raised (its error in that file): no need to wait until stale
-            return f"rank 0 failed ({json.loads((beats / FAILED).read_text())['error']}); this rank stops too"
+        if failed.exists():   # rank 0 raised (its error in that file): no need to wait until stale
+            return f"rank 0 failed ({json.loads(failed.read_text())['error']}); this rank stops too"
         return pulses[r].problem(f"rank {r}", "writing its synth batches")
 
     return stalled

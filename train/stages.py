@@ -480,12 +480,18 @@ class Pulse:
         return None
 
 
+def rank_pulse(cfg: DictConfig, name: str, rank: int, stale_s: float = STALE_S) -> Pulse:
+    """The :class:`Pulse` of rank ``rank`` in stage ``name`` (:data:`ALIVE`: rank 0's heartbeat is the stage's own,
+    rank r's ``_alive.rank<r>``), hung after ``hang_minutes`` without progress."""
+    return Pulse(stage_dir(cfg, name) / (ALIVE if rank == 0 else f"{ALIVE}.rank{rank}"), stale_s, 60 * cfg.hang_minutes)
+
+
 def wait_for_marker(cfg: DictConfig, name: str, fp: str, poll_s: float = 2.0, stale_s: float = STALE_S) -> dict:
     """Wait (polling the shared run directory) until rank 0 has finished stage ``name``; raise if it failed, if
     its heartbeat has stopped, or if it beats without progress for ``hang_minutes`` (:class:`Pulse`):
     rank 0 was killed without a word (the kernel's out-of-memory killer, a lost node), which a launcher on
     another node does not see, or hangs, and this rank would wait forever."""
-    pulse = Pulse(stage_dir(cfg, name) / ALIVE, stale_s, 60 * cfg.hang_minutes)
+    pulse = rank_pulse(cfg, name, 0, stale_s)
     while True:
         marker = read_marker(cfg, name)
         if marker and marker.get("fingerprint") == fp:
