@@ -6,7 +6,7 @@ ARGS       ?=
 PYTEST_ARGS ?=
 export TORCH_SPEC VENV
 # The tests' OpenMP threads sleep instead of spinning when they wait: a shared 2-core machine stays usable. Not the
-# demo's: its decoder's verify passes of 2+ tokens took 1.8-2.2x as long so (README, "OMP_WAIT_POLICY").
+# demo's: its decoder's verify passes of 2+ tokens took 1.6-2.1x as long so (README, "OMP_WAIT_POLICY").
 test test-unit test-integration test-slow: export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: setup demo test test-unit test-integration test-slow vllm-env lint bench clean

@@ -45,7 +45,7 @@ def machine(target) -> dict:
     """What timings depend on besides the target's weights: the platform, CPUs, torch threads (as set now; on
     the CPU only: a GPU's timings do not follow them, and an eval after training inherits the threads training
     set per rank, which a rerun of eval alone does not) and OpenMP's wait policy (PASSIVE: a verify pass of 2+
-    tokens took 1.8-2.2x as long on the 2-core CPU), device, dtype and the torch / transformers versions."""
+    tokens took 1.6-2.1x as long on the 2-core CPU), device, dtype and the torch / transformers versions."""
     weight = next(target.parameters())
     cpu = weight.device.type == "cpu"
     threads = torch.get_num_threads() if cpu else None

@@ -513,7 +513,7 @@ def run(cfg: DictConfig) -> dict:
     log(f"[eval] {len(prompts)} prompts, {kind} head, device {target.device}, {target.dtype}")
     if target.device.type == "cpu" and os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
         log("[eval] warning: OMP_WAIT_POLICY=PASSIVE: OpenMP threads sleep between the target's GEMMs, and its verify "
-            "passes of 2+ tokens take ~2x as long (1.8-2.2x on a 2-core CPU): the speedups measured here understate "
+            "passes of 2+ tokens take ~2x as long (1.6-2.1x on a 2-core CPU): the speedups measured here understate "
             "what the heads do; unset it for the eval")
 
     methods = resolve_methods(OmegaConf.to_container(cfg.eval.methods) if OmegaConf.is_config(cfg.eval.methods)
