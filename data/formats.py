@@ -313,6 +313,15 @@ def iter_jsonl(path: Path) -> Iterator[dict]:
                 continue
 
 
+def line_count(path: Path) -> int:
+    """Newline-terminated lines of ``path`` (0 when it does not exist), counted in 16 MB blocks: a GB-sized cache
+    is read once at disk speed instead of being parsed or rewritten."""
+    if not path.exists():
+        return 0
+    with open(path, "rb") as f:
+        return sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 24), b""))
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """:func:`iter_jsonl` as a list ([] when the file does not exist)."""
     return list(iter_jsonl(path))

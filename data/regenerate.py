@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from data.captured import CaptureWriter
-from data.formats import appending, iter_jsonl, pack_ids, prompt_key, rewrite_jsonl
+from data.formats import appending, iter_jsonl, line_count, pack_ids, prompt_key, rewrite_jsonl
 from data.template import as_generated, conversation_ids, prompt_ids, with_system
 from eval.sampling import warp
 from train.errors import UserError
@@ -282,13 +282,14 @@ def pending(convs: list[dict], system_prompt: str | None, path: Path,
             max_length: int | None = None) -> tuple[dict[str, dict], dict]:
     """Conversations of ``convs`` still to (finish to) regenerate, keyed by prompt key, and the stats so far.
 
-    Compacts ``path`` first (one line per key, a torn last line dropped) so that appending is safe. Each
+    Compacts ``path`` first where it holds superseded lines (one line per key; a compact cache of GBs is left
+    as it is, and a torn last line is sealed by :func:`data.formats.appending`). Each
     row carries ``users`` (the conversation's user turns; not written to the cache). Every backend starts
     here, so the cache format and the resume rule are the same for hf, vllm and openai.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     done = read_cache(path)
-    if path.exists():  # compact, and drop a torn last line, before appending
+    if line_count(path) > len(done):  # superseded lines (answers continued, turns asked again): compact first
         rewrite_jsonl(path, done.values())
     state = {}
     for c in convs:

@@ -709,6 +709,33 @@ def test_answers_appended_after_a_torn_line_are_kept(tmp_path):
     assert read_cache(path).keys() == {"k0", "k1", "k2"}
 
 
+def test_a_compact_cache_is_not_rewritten_at_each_start(tmp_path):
+    """Every regeneration starts with :func:`data.regenerate.pending`. It rewrote (and fsynced) the whole cache
+    each time, GBs at 500k conversations, also when nothing was to be compacted. Now only a cache holding
+    superseded lines (a conversation continued) or a sealed torn line is rewritten, to one line per key."""
+    from data.formats import appending, line_count
+    from data.regenerate import cache_line, pending
+
+    def row(key: str, turns: int, complete: bool = True) -> dict:
+        return {"key": key, "messages": [{"role": "user", "content": key}, {"role": "assistant", "content": "a"}] * turns,
+                "new_tokens": turns, "truncated": False, "complete": complete}
+
+    path = tmp_path / "cache.jsonl"
+    path.write_text(cache_line(row("k0", 1)) + cache_line(row("k1", 1)))
+    before = path.stat()
+    pending([], None, path)
+    assert (path.stat().st_ino, path.stat().st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+    with appending(path) as f:   # k1 continued by a later run, then a line torn by a crash
+        f.write(cache_line(row("k1", 2)) + cache_line(row("k2", 1))[:25])
+    with appending(path) as f:   # sealed
+        pass
+    assert line_count(path) == 4
+    pending([], None, path)
+    assert path.stat().st_ino != before.st_ino and line_count(path) == 2
+    assert {k: len(r["messages"]) for k, r in read_cache(path).items()} == {"k0": 2, "k1": 4}
+
+
 def test_a_part_continuing_a_row_cut_at_length_is_kept(tmp_path):
     """A row the cache holds complete, cut where its next prompt reached a smaller data.max_length, is continued
     by a sharded run with a larger one, which crashes: the rerun's fold keeps the part's answers (it once kept
