@@ -24,6 +24,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -60,6 +62,7 @@ from train.target import (
     load_tokenizer,
     resolve_device,
     resolve_dtype,
+    stored_dtypes,
     target_fingerprint,
 )
 
@@ -143,9 +146,11 @@ def precision_spread(logits: torch.Tensor, error: torch.Tensor | None, *tokens: 
 class Fp32Scorer:
     """The target's float32 next-token logits after a token prefix, and the decoding precision's error there.
     ``target`` decodes (any precision); ``fp32``, the float32 target when the caller holds one (its weights as
-    loaded), else a target running in lower precision has a float32 copy loaded from its files on the first call
-    (only divergences pay for it), on the target's device when it has room for it (a 7-8B target: 32 GB beside
-    the 16 GB decoding in bf16), else on the CPU: never an out-of-memory error on a 40-48 GB GPU."""
+    loaded). Else, for a target decoding in the precision its files store (a 7-8B target's bf16), the target
+    itself computes in float32 one module at a time (:func:`float32_weights`: exactly the float32 target, ~1 GB
+    more at 8B instead of a 32 GB copy); for one stored in float32 and decoding in lower precision (the default
+    target in bf16), a float32 copy is loaded from its files on the first call (only divergences pay for it), on
+    the target's device when it has room for it, else on the CPU."""
 
     def __init__(self, target, cfg: DictConfig, fp32=None):
         self.target, self.cfg, self.model = target, cfg, fp32
@@ -158,12 +163,19 @@ class Fp32Scorer:
 
     def __call__(self, ids: list[int]) -> torch.Tensor:
         if self.model is None:
-            device = scorer_device(self.target)
-            if device.type == "cpu" and next(self.target.parameters()).device.type == "cuda":
-                # a launcher's OMP_NUM_THREADS=1: minutes per 8B pass; the cores this rank may use, not the host's
-                torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-            self.model = self.target if self.target.dtype == torch.float32 else load_target(self.cfg, device, torch.float32)
+            self.model = self.target if stored_dtypes(self.cfg) <= {self.target.dtype} else self._load()
+        if self.model is self.target and self.target.dtype != torch.float32:
+            with float32_weights(self.target):
+                return self._logits(self.target, ids)
         return self._logits(self.model, ids)
+
+    def _load(self):
+        """The float32 target from its files, where :func:`scorer_device` finds room."""
+        device = scorer_device(self.target)
+        if device.type == "cpu" and next(self.target.parameters()).device.type == "cuda":
+            # a launcher's OMP_NUM_THREADS=1: minutes per 8B pass; the cores this rank may use, not the host's
+            torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+        return self.target if self.target.dtype == torch.float32 else load_target(self.cfg, device, torch.float32)
 
     def error(self, ids: list[int], logits: torch.Tensor) -> torch.Tensor | None:
         """The decoding precision's next-token logits after ``ids`` minus their float32 ``logits`` (None when
@@ -171,11 +183,38 @@ class Fp32Scorer:
         return None if self.target.dtype == torch.float32 else self._logits(self.target, ids).to(logits.device) - logits
 
 
+@contextmanager
+def float32_weights(model: torch.nn.Module) -> Iterator[None]:
+    """``model``'s forwards compute in float32 one module at a time: each module's own parameters get a float32 copy
+    of their weights as its forward starts and their own tensors back as it ends, so the activations stay float32
+    from the embedding on and no more than one layer's (or the lm_head's) float32 copy exists at once. From a
+    checkpoint stored in the model's dtype this is exactly the float32 model; buffers (RoPE's inv_freq) are left
+    alone, and the weights are the same tensors afterwards."""
+    own = {p: p.data for p in model.parameters()}
+
+    def weights(module: torch.nn.Module, to_float32: bool) -> None:
+        for p in module.parameters(recurse=False):
+            p.data = own[p].float() if to_float32 else own[p]
+
+    owners = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
+    hooks = [h for m in owners for h in (m.register_forward_pre_hook(lambda m, _: weights(m, True)),
+                                         m.register_forward_hook(lambda m, _, __: weights(m, False)))]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        for m in owners:   # a forward stopped by an error leaves its module's float32 copy
+            weights(m, False)
+
+
 def scorer_device(target) -> torch.device:
-    """Where a float32 copy of ``target`` goes: its own device when that has 1.2x the copy's size free, else the CPU."""
+    """Where a float32 copy of ``target`` goes: its own device when that has 1.2x the copy's size free (blocks the
+    allocator caches but does not use given back first), else the CPU."""
     device = next(target.parameters()).device
     if device.type != "cuda":
         return device
+    torch.cuda.empty_cache()
     need = 1.2 * 4 * sum(p.numel() for p in target.parameters())
     return device if torch.cuda.mem_get_info(device)[0] >= need else torch.device("cpu")
 

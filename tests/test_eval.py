@@ -286,9 +286,9 @@ def test_divergence_in_bf16_measures_the_precisions_error_and_still_catches_a_wr
 
 
 def test_fp32_scorer_loads_the_float32_target_for_a_bf16_one(tiny_plain, monkeypatch):
-    """A bf16 target's divergences are judged by the float32 target as loaded from its files (not a copy of the
-    bf16 weights upcast), on the target's device when it has room, else on the CPU (a 7-8B target decoding in
-    bf16 on a 40-48 GB GPU has no room for its 32 GB float32 copy)."""
+    """A bf16 target whose files hold float32 (the default target's): its divergences are judged by the float32
+    target as loaded from its files (not its bf16 weights upcast), on the target's device when it has room, else on
+    the CPU."""
     import types
 
     from eval import stage
@@ -306,6 +306,40 @@ def test_fp32_scorer_loads_the_float32_target_for_a_bf16_one(tiny_plain, monkeyp
     for free, device in ((40 * 2**30, "cuda:3"), (20 * 2**30, "cpu")):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d, free=free: (free, 80 * 2**30))
         assert stage.scorer_device(on_gpu) == torch.device(device)
+
+
+def test_a_target_stored_in_bf16_is_judged_in_float32_without_a_copy(tiny_plain, tmp_path, monkeypatch):
+    """A 7-8B target's files hold bf16 and it decodes in bf16: a float32 copy would be 32 GB more on its GPU (or the
+    host's RAM and minutes per pass on its CPU) for the rest of the run. Its divergences are judged by the target
+    itself computing in float32 one module at a time: exactly the logits of the float32 target loaded from those
+    files, no copy loaded, the target's weights the same tensors afterwards and its buffers untouched."""
+    import shutil
+
+    from eval import stage
+    from train.target import stored_dtypes, target_path
+
+    cfg, target, tokenizer, prompt, plain, _ = tiny_plain
+    shutil.copytree(target_path(cfg), tmp_path / "bf16")
+    copy.deepcopy(target).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    bf16_cfg = OmegaConf.merge(cfg, {"model": {"source": "hf", "path": str(tmp_path / "bf16")}})
+    assert stored_dtypes(bf16_cfg) == {torch.bfloat16} and stored_dtypes(cfg) == {torch.float32}
+    bf16 = load_target(bf16_cfg, torch.device("cpu"), torch.bfloat16)
+    fp32 = load_target(bf16_cfg, torch.device("cpu"), torch.float32)
+    context = turn_prompt(tokenizer, prompt, cfg, plain[:1]) + plain[1][:2]
+    weights = {n: p.data_ptr() for n, p in bf16.named_parameters()}
+    buffers = {n: b.clone() for n, b in bf16.named_buffers()}
+    before = Fp32Scorer._logits(bf16, context)
+
+    monkeypatch.setattr(stage, "load_target", lambda *a, **k: pytest.fail("a float32 copy was loaded"))
+    scorer = Fp32Scorer(bf16, bf16_cfg)
+    logits = scorer(context)
+    assert scorer.model is bf16 and logits.dtype == torch.float32
+    torch.testing.assert_close(logits, Fp32Scorer._logits(fp32, context), atol=1e-5, rtol=1e-5)
+    assert (logits - before).abs().max() > 1e-4                # not the bf16 pass
+    assert all(p.data_ptr() == weights[n] and p.dtype == torch.bfloat16 for n, p in bf16.named_parameters())
+    assert all(torch.equal(b, buffers[n]) and b.dtype == buffers[n].dtype for n, b in bf16.named_buffers())
+    torch.testing.assert_close(Fp32Scorer._logits(bf16, context), before, atol=0, rtol=0)
+    assert scorer.error(context, logits).abs().max() > 0
 
 
 def record(method: str, prompt: str, wall_s: float, div: dict | None = None, temperature: float = 0.0) -> dict:

@@ -366,6 +366,25 @@ class _Checkpoint:
         return out
 
 
+    def stored_dtypes(self) -> set[torch.dtype]:
+        """The floating dtypes the checkpoint's files store its tensors in (their headers only: nothing is read)."""
+        from safetensors import safe_open
+        from transformers.utils import cached_file
+
+        names = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+        out = set()
+        for file in sorted(set(self.where.values())):
+            with safe_open(cached_file(self.path, file, **self.kw), framework="pt") as f:
+                out |= {names[d] for d in (f.get_slice(k).get_dtype() for k in f.keys()) if d in names}
+        return out
+
+
+def stored_dtypes(cfg: DictConfig) -> set[torch.dtype]:
+    """The floating dtypes of the target's safetensors files (bf16 for the 7-8B presets, float32 for the default
+    target's dequantised folder)."""
+    return _Checkpoint(cfg).stored_dtypes()
+
+
 def load_weights(cfg: DictConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> TargetWeights:
     """The target's embedding, lm_head and final norm, read from its safetensors files: the decoder
