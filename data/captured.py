@@ -27,9 +27,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from data.formats import durable_replace
 from train import dist
 from train.log import log
 
@@ -77,7 +78,7 @@ class CaptureWriter:
                    "ids": torch.tensor([t for i in ids for t in i], dtype=torch.int32),
                    "offsets": torch.tensor([0, *lengths]).cumsum(0)},
                   str(tmp), metadata={**self.meta, "keys": json.dumps(keys)})
-        os.replace(tmp, self.dir / name)
+        durable_replace(tmp, self.dir / name)
         self.rows += len(keys)
         self.tokens += sum(lengths)
         self.bytes += nbytes
@@ -110,11 +111,15 @@ class CapturedStates:
         self.files = OpenShards(self.dir)
         files = sorted(self.dir.glob("part-*.safetensors"), key=lambda p: p.name) if self.dir.is_dir() else []
         for path in files:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                if (json.loads(meta.get("layers", "null")), meta.get("dtype"), meta.get("target")) != (layers, dtype, target):
-                    continue  # captured for another head, dtype or target
-                offsets = f.get_tensor("offsets").tolist()
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    meta = f.metadata() or {}
+                    offsets = f.get_tensor("offsets").tolist()
+            except (OSError, SafetensorError) as e:  # torn by a node's crash (parts before 2026-12-07 were not fsynced)
+                log(f"[extract] {path} cannot be read ({e}): its rows' states are computed again")
+                continue
+            if (json.loads(meta.get("layers", "null")), meta.get("dtype"), meta.get("target")) != (layers, dtype, target):
+                continue  # captured for another head, dtype or target
             for j, key in enumerate(json.loads(meta["keys"])):
                 self.index[key] = (path.name, offsets[j], offsets[j + 1])
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from data.captured import CaptureWriter, keeps_states
-from data.formats import DataError, appending, prompt_key
+from data.formats import DataError, appending, prompt_key, write_atomic
 from data.regenerate import (
     _answered,
     add_answer,
@@ -263,9 +263,7 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
     except BaseException as e:
         failed.write_text(json.dumps({"rank": rank, "error": repr(e)}))
         raise
-    tmp = done.parent / (done.name + ".tmp")
-    tmp.write_text(json.dumps({"rank": rank, "world": world, "stats": stats, "keys": list(mine)}))
-    os.replace(tmp, done)
+    write_atomic(done, json.dumps({"rank": rank, "world": world, "stats": stats, "keys": list(mine)}))
     if rank != 0:
         return None
 

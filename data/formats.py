@@ -371,6 +371,14 @@ def durable_replace(tmp: Path, path: Path) -> None:
             raise
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """``path`` holds the old text or ``text``, never a torn mix or an empty file (a crash, a node's, a full disk)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    durable_replace(tmp, path)
+
+
 def rewrite_jsonl(path: Path, rows: Iterable[dict]) -> None:
     """Replace ``path`` by ``rows``, one JSON line each, atomically and durably (compacting a file before appending:
     a regeneration cache holds every answer of its target and setting)."""

@@ -33,7 +33,7 @@ import torch
 import transformers
 from omegaconf import DictConfig, OmegaConf
 
-from data.formats import appending, durable_replace, read_jsonl
+from data.formats import appending, read_jsonl, write_atomic
 from eval.decoder import DECODER_VERSION
 from train.stages import digest
 
@@ -67,14 +67,6 @@ def baseline_settings(cfg: DictConfig) -> dict:
     return {"max_new_tokens": cfg.eval.max_new_tokens, "top_p": cfg.eval.top_p,
             "ngram": OmegaConf.to_container(cfg.eval.ngram, resolve=True),
             "system_prompt": cfg.data.system_prompt, "thinking": cfg.data.get("thinking"), "version": 1}
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """``path`` holds the old text or ``text``, never a torn mix or an empty file (a crash, a node's, a full disk)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    durable_replace(tmp, path)
 
 
 class JsonCache:

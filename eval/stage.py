@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.formats import read_jsonl, rewrite_jsonl
+from data.formats import read_jsonl, rewrite_jsonl, write_atomic
 from data.regenerate import eos_ids
 from data.template import prompt_ids, set_thinking, with_system
 from eval.decoder import Generation, SpecDecoder
@@ -48,7 +48,6 @@ from eval.shared import (
     baseline_summary,
     digest,
     target_identity,
-    write_atomic,
 )
 from eval.tree import choice_order, default_medusa_choices
 from eval.treesize import acceptance_curve, choose_total_tokens, draft_times, measure_verify_time

@@ -315,6 +315,22 @@ def test_out_of_memory_while_keeping_states_still_names_the_fix(tiny_llama_cfg, 
     assert capture.rows == 0
 
 
+def test_a_torn_file_of_kept_states_is_skipped_not_fatal(tmp_path):
+    """States kept while regenerating are read back by the extract stage. A part file torn by a node's crash (they
+    were renamed into place without an fsync before 2026-12-07) stopped every extract rerun until deleted by hand;
+    it is now skipped (its rows' states are computed again) and the other parts are read."""
+    from data.captured import CapturedStates
+
+    capture = CaptureWriter(tmp_path / "captured", [1, 2], "float32", "tiny", keep_free=0)
+    hidden = [torch.randn(n, 2, 4) for n in (3, 5)]
+    capture.write(["a", "b"], [[1, 2, 3], [4, 5, 6, 7, 8]], hidden, [torch.arange(3), torch.arange(5)])
+    (good,) = (tmp_path / "captured").glob("part-*.safetensors")
+    (tmp_path / "captured" / "part-9-9.safetensors").write_bytes(good.read_bytes()[:200])   # sorts after: read last
+    captured = CapturedStates(tmp_path / "captured", [1, 2], "float32", "tiny")
+    assert len(captured) == 2 and captured.covers("b", [4, 5, 6])
+    torch.testing.assert_close(captured.get("b", 5)[0], hidden[1])
+
+
 def test_sampled_answers_do_not_depend_on_their_batch_or_rank(tiny_llama_cfg, tmp_path, monkeypatch):
     """At temperature > 0 each answer draws from its own generator, seeded by (seed, conversation, turn) as the
     server backends seed their requests: the same answers whether conversations decode 4 at a time or alone, on

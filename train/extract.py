@@ -40,7 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from data.captured import CapturedStates, OpenShards, keeps_states
-from data.formats import durable_replace
+from data.formats import durable_replace, write_atomic
 from data.stage import load_dataset, row_lengths
 from heads.io import head_config
 from train import dist
@@ -329,8 +329,8 @@ def run(cfg: DictConfig) -> dict:
         "bytes_per_token": round(total_bytes / max(tokens, 1), 1), "dataset_id": dataset_id,
     }
     if dist.is_main():
-        (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        (out / "provenance.json").write_text(json.dumps({"world_size": world, **ready.summary()}, indent=2))
+        write_atomic(out / "manifest.json", json.dumps(manifest, indent=2))
+        write_atomic(out / "provenance.json", json.dumps({"world_size": world, **ready.summary()}, indent=2))
         kept = stage_dir(cfg, "data") / "captured"
         if ready.captured is not None:  # now copied into the shards
             shutil.rmtree(ready.captured.dir, ignore_errors=True)

@@ -34,9 +34,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 
+from data.formats import write_atomic
 from data.stage import load_dataset, row_lengths
 from data.vocab import build_vocab, coverage
-from eval.shared import write_atomic
 from heads.frozen import TargetWeights
 from heads.io import build_head, head_config, save_head
 from train import dist, stages

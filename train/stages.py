@@ -27,6 +27,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from data.formats import write_atomic
 from train import dist
 from train.errors import MissingStageError, UserError
 from train.log import log
@@ -401,9 +402,7 @@ def _write_marker(cfg: DictConfig, name: str, fp: str, start: float, out: dict |
 
 
 def _save_marker(cfg: DictConfig, name: str, marker: dict) -> None:
-    tmp = stage_dir(cfg, name) / (MARKER + ".tmp")
-    tmp.write_text(json.dumps(marker, indent=2, default=str))
-    os.replace(tmp, stage_dir(cfg, name) / MARKER)
+    write_atomic(stage_dir(cfg, name) / MARKER, json.dumps(marker, indent=2, default=str))
 
 
 def migrate_markers(cfg: DictConfig) -> None:
