@@ -46,13 +46,17 @@ def keeps_states(cfg) -> bool:
 
 class CaptureWriter:
     """Appends captured conversations to ``directory`` (see the module docstring), while the disk has room for them
-    and for the extract stage's copy of them (28.7 KB per token at 7B: TBs for a ShareGPT-sized set); then it keeps
-    no more, and the extract stage computes the other rows."""
+    and for the extract stage's shards of every row (28.7 KB per token at 7B: TBs for a ShareGPT-sized set); then it
+    keeps no more, and the extract stage computes the other rows. ``rows``: the conversations of the whole data
+    stage (every rank's), whose shards the extract stage writes while these files still exist; ``margin``: the
+    extract stage's ``extract.disk_margin``."""
 
-    def __init__(self, directory: Path, layers: list[int], dtype: str, target: str, keep_free: int = 2**30):
+    def __init__(self, directory: Path, layers: list[int], dtype: str, target: str, rows: int = 0,
+                 margin: float = 1.0, keep_free: int = 2**30):
         self.dir = Path(directory)
         self.meta = {"layers": json.dumps(layers), "dtype": dtype, "target": target}
         self.layers, self.dtype, self.keep_free = layers, getattr(torch, dtype), keep_free
+        self.expected_rows, self.margin = rows, margin
         self.rows = self.tokens = self.bytes = 0
         self.full = False
 
@@ -65,10 +69,13 @@ class CaptureWriter:
         nbytes = sum(h.numel() for h in hidden) * self.dtype.itemsize + 12 * sum(lengths)
         free = shutil.disk_usage(self.dir).free
         kept = (self.bytes + nbytes) * dist.world_size()  # every rank keeps its share here
-        if free - nbytes < kept + self.keep_free:  # and the extract stage copies them all into its shards
+        # The extract stage's shards of every row, these files still on disk: the rows' mean so far times all rows
+        # (room for a copy of the kept ones alone left the extract stage refusing for the others' shards).
+        shards = max(kept, (self.bytes + nbytes) / (self.rows + len(keys)) * self.expected_rows) * self.margin
+        if free - nbytes < shards + self.keep_free:
             self.full = True
             log(f"[data] keeping no more hidden states: {free / 2**30:.1f} GiB free in {self.dir}, and the extract "
-                f"stage copies the ~{kept / 2**30:.1f} GiB kept into its shards; it computes the other rows "
+                f"stage's shards of every row take ~{shards / 2**30:.1f} GiB; it computes the rows not kept "
                 "(extract.source=pass keeps none)")
             return
         name = f"part-{time.time_ns()}-{os.getpid()}.safetensors"

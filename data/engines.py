@@ -149,7 +149,7 @@ def _regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Pat
 
         target = client or LocalTarget(cfg)
         if not shares_work(cfg, "data"):  # one process (or rank 0 alone): exactly as before
-            stats = regenerate(convs, target, tokenizer, rcfg, system_prompt, path, capture_writer(cfg),
+            stats = regenerate(convs, target, tokenizer, rcfg, system_prompt, path, capture_writer(cfg, len(convs)),
                                cfg.data.max_length)
         else:
             stats = regenerate_sharded(cfg, convs, tokenizer, path, target)
@@ -162,9 +162,9 @@ def _regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Pat
     return {"backend": "vllm", "server_log": str(client.server.log_file) if started else None, **stats}
 
 
-def capture_writer(cfg: DictConfig) -> CaptureWriter | None:
+def capture_writer(cfg: DictConfig, rows: int) -> CaptureWriter | None:
     """Where the ``hf`` backend keeps the hidden states of what it generates (``extract.source: regen``;
-    :mod:`data.captured`), None when the extract stage will not read them."""
+    :mod:`data.captured`), None when the extract stage will not read them; ``rows``: the data stage's conversations."""
     if not keeps_states(cfg):
         return None
     from train.extract import capture_layers
@@ -172,7 +172,7 @@ def capture_writer(cfg: DictConfig) -> CaptureWriter | None:
     from train.target import load_config, target_fingerprint
 
     return CaptureWriter(stage_dir(cfg, "data") / "captured", capture_layers(cfg, load_config(cfg)),
-                         cfg.extract.dtype, target_fingerprint(cfg))
+                         cfg.extract.dtype, target_fingerprint(cfg), rows, cfg.extract.disk_margin)
 
 
 def generation_config(cfg: DictConfig):
@@ -257,7 +257,7 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
         if mine:
             log(f"[data] rank {rank}/{world}: regenerating its share of {len(mine)} conversations into {part}")
             stats = regenerate(list(mine.values()), target or LocalTarget(cfg), tokenizer, rcfg, system_prompt,
-                               part, capture_writer(cfg), cfg.data.max_length)
+                               part, capture_writer(cfg, len(convs)), cfg.data.max_length)
         else:
             stats = {"cached": 0, "generated": 0, "new_tokens": 0, "seconds": 0.0}
     except BaseException as e:

@@ -129,15 +129,28 @@ def test_extract_from_regeneration_equals_a_separate_pass(tmp_path, text_twin, d
 
 
 def test_a_disk_filling_up_keeps_fewer_states_and_extract_computes_the_rest(tmp_path, text_twin, monkeypatch):
-    """States kept while regenerating take 28.7 KB per token at 7B (TBs for a ShareGPT-sized set) and the extract
-    stage copies them: with the disk short of room for both, the data stage keeps no more (a full disk failed the
-    stage, and every rerun) and the extract stage computes the rows not kept. The shards are the same."""
+    """States kept while regenerating take 28.7 KB per token at 7B (TBs for a ShareGPT-sized set), and the extract
+    stage writes every row's shards while they are still on disk. With a disk short of room for all of it, the data
+    stage keeps no more (a full disk failed the stage, and every rerun) while the shards of every row still fit: it
+    kept until only a copy of the kept ones fit, and the extract stage then refused, after the whole data stage.
+    Here the disk holds 1.7x the shards: the extract stage runs, computes the rows not kept, and writes the same
+    shards as a separate pass."""
     from collections import namedtuple
+    from functools import partial
 
-    usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr("data.captured.shutil.disk_usage", lambda path: usage(2**40, 0, 2**30 + 1_200_000))
-    short = _run(tmp_path / "short", text_twin, "regen", "extract.dtype=float32")
+    import data.engines
+
     passed = _run(tmp_path, text_twin, "pass", "extract.dtype=float32")
+    shards = json.loads((stage_dir(passed, "extract") / "manifest.json").read_text())["bytes"]
+    usage = namedtuple("usage", "total used free")
+
+    def disk_usage(path):   # 1.7x the shards, less what the run below has written (kept states, then shards)
+        used = sum(f.stat().st_size for f in (tmp_path / "short").rglob("*.safetensors"))
+        return usage(2**40, used, int(1.7 * shards) - used)
+
+    monkeypatch.setattr("shutil.disk_usage", disk_usage)
+    monkeypatch.setattr(data.engines, "CaptureWriter", partial(data.engines.CaptureWriter, keep_free=int(0.1 * shards)))
+    short = _run(tmp_path / "short", text_twin, "regen", "extract.dtype=float32")
     rows = sum(json.loads((stage_dir(short, "extract") / "manifest.json").read_text())["rows"].values())
     kept = json.loads((stage_dir(short, "extract") / "provenance.json").read_text())["from_regeneration"]["rows"]
     assert 0 < kept < rows

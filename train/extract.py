@@ -156,14 +156,19 @@ def _complete(path: Path, fps: set[str]) -> bool:
         return False
 
 
-def check_disk(path: Path, needed: int, margin: float) -> None:
+def check_disk(path: Path, needed: int, margin: float, kept: Path | None = None) -> None:
+    """Refuse, naming the fixes, unless ``path`` has room for ``needed`` bytes x ``margin`` (``kept``: the states
+    kept while regenerating, which this run copies into its shards and deletes after)."""
     free = shutil.disk_usage(path).free
     log(f"[extract] needs about {needed / 2**30:.2f} GiB on disk; {free / 2**30:.2f} GiB free at {path}")
     if free < needed * margin:
+        held = sum(f.stat().st_size for f in kept.glob("*.safetensors")) if kept else 0
         raise ExtractError(
             f"not enough free disk at {path}: the extraction needs about {needed / 2**30:.2f} GiB "
             f"(x{margin} margin) but only {free / 2**30:.2f} GiB are free. Free space, point run_dir elsewhere, "
-            "or use extract.dtype=float16/bfloat16 or train.online=true (no disk)."
+            "or use extract.dtype=float16/bfloat16 or train.online=true (no disk)"
+            + (f", or extract.source=pass: the {held / 2**30:.2f} GiB of states kept while regenerating ({kept}) are "
+               "deleted first and every row is computed" if held else "") + "."
         )
 
 
@@ -254,9 +259,14 @@ def run(cfg: DictConfig) -> dict:
     dataset_id = data_manifest["dataset_id"]
     ready = ReadyStates(cfg, ds, lengths, layers, data_manifest["target_fingerprint"], dataset_id)
     world, rank = dist.world_size(), dist.rank()
+    kept = stage_dir(cfg, "data") / "captured"
     if dist.is_main():  # shards of an earlier plan (another shard_mb, other rows) would never be overwritten
         for f in set(out.glob("*.safetensors")) - {out / s["file"] for s in shards}:
             f.unlink()
+        if ready.captured is None and kept.is_dir() and cfg.extract.get("source") == "pass":
+            # set since they were kept: nothing reads them, and the disk check below counts their room as free
+            log(f"[extract] deleting the hidden states kept while regenerating ({kept}): extract.source=pass")
+            shutil.rmtree(kept, ignore_errors=True)
     redo = "extract" in cfg.force  # force: every shard again, not only the missing ones
     fps = {fp, fingerprint(cfg, "extract", ignore=HOW["extract"], legacy=True)}  # (shards made before 2026-12-06)
     # Which shards are left, each judged by one rank (~60k shards at 8B x 1B tokens: rank 0 reading every header
@@ -268,7 +278,7 @@ def run(cfg: DictConfig) -> dict:
     left = {f: size for part in dist.all_gather_objects(left) for f, size in part.items()}
     todo = set(left)
     check_disk(out, sum(s["tokens"] for s in shards if s["file"] in todo) * (bytes_per_token + 4) - sum(left.values()),
-               cfg.extract.disk_margin)
+               cfg.extract.disk_margin, kept if ready.captured is not None else None)
 
     pending = [s for s in shards if s["file"] in todo]
     mine = pending[rank::world]
@@ -331,12 +341,8 @@ def run(cfg: DictConfig) -> dict:
     if dist.is_main():
         write_atomic(out / "manifest.json", json.dumps(manifest, indent=2))
         write_atomic(out / "provenance.json", json.dumps({"world_size": world, **ready.summary()}, indent=2))
-        kept = stage_dir(cfg, "data") / "captured"
         if ready.captured is not None:  # now copied into the shards
             shutil.rmtree(ready.captured.dir, ignore_errors=True)
-        elif kept.is_dir() and cfg.extract.get("source") == "pass":  # set since they were kept: nothing reads them
-            log(f"[extract] deleting the hidden states kept while regenerating ({kept}): extract.source=pass")
-            shutil.rmtree(kept, ignore_errors=True)
     rate = sum(s["tokens"] for s in mine) / max(elapsed, 1e-9)
     log(f"[extract] {tokens} tokens, {total_bytes / 2**20:.1f} MiB, {manifest['bytes_per_token']} bytes/token; "
         f"rank 0: {rate:.0f} tok/s ({forward_s / max(elapsed, 1e-9):.0%} of the time in forward), "
