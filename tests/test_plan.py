@@ -81,6 +81,22 @@ def test_plan_figures_follow_the_config(cfg_factory):
     assert "EXTRACT  skipped: train.online=true" in online and "DISK TOO SMALL" not in online
 
 
+def test_plan_reads_the_states_of_every_training_step_from_disk(cfg_factory):
+    """Each training step reads its rows' states from run_dir (~29 KB per token at 7B, TBs in all: no page cache
+    holds them): 8 GPUs at 17k tok/s each need 4 GB/s, and the plan counted none of it. Training's rate is now also
+    capped by planner.disk_mb_s shared by the ranks; online training reads none, and a stated rate stands."""
+    args = ("model=qwen2.5-7b", "planner.device=gpu", "planner.world_size=8")
+    p = planner.plan(cfg_factory(*args))
+    per_token = p["extract"]["bytes_per_token"]
+    assert p["train"]["tok_s"] == pytest.approx(1000e6 / per_token / 8) and per_token > 28e3
+    assert p["train"]["basis"].startswith("planner.disk_mb_s") and "reads its rows' states" in planner.format_plan(p)
+    fast = planner.plan(cfg_factory(*args, "planner.disk_mb_s=100000"))["train"]
+    assert fast["basis"].startswith("planner.gpu.train_tflops") and fast["tok_s"] > 2 * p["train"]["tok_s"]
+    online = planner.plan(cfg_factory(*args, "train.online=true"))["train"]
+    assert online["basis"].startswith("planner.gpu.train_tflops")
+    assert planner.plan(cfg_factory(*args, "planner.train_tok_s=9000"))["train"]["tok_s"] == 9000
+
+
 def test_plan_holds_out_the_validation_rows_the_data_stage_will(cfg_factory):
     """Before the data stage, the plan's validation tokens are the rows ``data.stage.assign_splits`` holds out
     (rounded, at least one, capped) at ``planner.avg_row_tokens`` each."""

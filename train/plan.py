@@ -489,6 +489,9 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
                    + (2 * sh.target_linear if tc.online else 0))
     train_rate = pc.train_tok_s or rates.train_tflops * 1e12 / train_flops
     train_basis = "planner.train_tok_s" if pc.train_tok_s else f"planner.{kind}.train_tflops / {train_flops / 1e9:.2f} GFLOP/token"
+    if not (tc.online or pc.train_tok_s) and disk_rate < train_rate:   # every step reads its rows' states from disk
+        train_rate, train_basis = disk_rate, (f"planner.disk_mb_s: each step reads its rows' states ({per_token / 1e3:.1f} "
+                                              f"KB/token) from run_dir, all ranks together")
     trained = tc.max_steps * world * tc.grad_accum * tc.micro_batch_tokens if tc.max_steps else tc.epochs * min(tokens["train"], tc.data_tokens or tokens["train"])
     train_h = trained / (train_rate * world) / 3600
     # A training checkpoint: the trainable weights in the run's dtype, DeepSpeed's fp32 master copy when that is not
