@@ -129,6 +129,28 @@ def test_extract_survives_kill_9(prepared, tmp_path):
     assert not list(out.glob(".*tmp*"))
 
 
+def test_a_shard_write_failing_in_the_writer_thread_stops_the_stage(prepared, tmp_path, monkeypatch):
+    """Shards are written by a thread while the next shard's passes run: its error (a full disk) stops the stage
+    in the main thread, the shards written before it kept for the rerun, no manifest or marker written."""
+    import train.extract
+
+    cfg = fresh_run(prepared, tmp_path, "extract.shard_mb=0.02", stages=("data",))
+    calls, save = [], train.extract.save_file
+
+    def full_disk(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(train.extract, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        run_stages(make_cfg([*BASE, f"output_root={tmp_path}", "stages=[extract]", "extract.shard_mb=0.02"]))
+    out = stage_dir(cfg, "extract")
+    assert len(list(out.glob("*.safetensors"))) == 1 and not (out / "manifest.json").exists()
+    assert read_marker(cfg, "extract") is None
+
+
 def test_extract_out_of_memory_names_the_fix(prepared, tmp_path, monkeypatch):
     import train.extract
     from train.extract import ExtractMemoryError

@@ -31,6 +31,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -236,6 +237,17 @@ def _names_the_fix_when_out_of_memory(cfg: DictConfig) -> Iterator[None]:
             + "; `plan=true` prints the estimate. A rerun keeps the shards written so far.") from e
 
 
+def _write_shard(path: Path, pieces: dict[int, tuple[torch.Tensor, torch.Tensor]], rows: list[int],
+                 lengths: list[int], metadata: dict[str, str]) -> None:
+    """One shard of ``rows`` (``pieces``: row -> its states and argmax), written whole, then renamed into place."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    save_file({"hidden": torch.cat([pieces[r][0] for r in rows]).contiguous(),
+               "argmax": torch.cat([pieces[r][1] for r in rows]).contiguous(),
+               "row_index": torch.tensor(rows, dtype=torch.long),
+               "offsets": torch.tensor([0] + [lengths[r] for r in rows]).cumsum(0)}, str(tmp), metadata=metadata)
+    durable_replace(tmp, path)
+
+
 @torch.inference_mode()
 def run(cfg: DictConfig) -> dict:
     require(cfg, "data")
@@ -291,6 +303,10 @@ def run(cfg: DictConfig) -> dict:
         n_passes = max(dist.all_gather_objects(n_passes))
     with ExitStack() as target:
         target.enter_context(_names_the_fix_when_out_of_memory(cfg))
+        # A shard is joined, written and fsynced by one thread while the next shard's passes run (the device would
+        # otherwise idle through ~256 MB of disk writes per shard); one shard at a time, its error raised here.
+        writer = target.enter_context(futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer"))
+        written: futures.Future | None = None
         if n_passes:  # every row ready: the target is not even loaded
             model = target.enter_context(_loaded_target(cfg, device))
             lm_head = _full_weight(model.get_output_embeddings().weight, cfg.extract.zero_stage)
@@ -311,14 +327,12 @@ def run(cfg: DictConfig) -> dict:
                 for j, r in enumerate(batch):
                     pieces[r] = (states[j, : lengths[split][r]], argmax[j, : lengths[split][r]])
                 bar.update(sum(lengths[split][r] for r in batch))
-            rows = shard["rows"]
-            offsets = torch.tensor([0] + [lengths[split][r] for r in rows]).cumsum(0)
-            tmp = out / f".{shard['file']}.tmp{os.getpid()}"
-            save_file({"hidden": torch.cat([pieces[r][0] for r in rows]).contiguous(),
-                       "argmax": torch.cat([pieces[r][1] for r in rows]).contiguous(),
-                       "row_index": torch.tensor(rows, dtype=torch.long), "offsets": offsets},
-                      str(tmp), metadata={"layers": json.dumps(layers), "split": split, "fingerprint": fp})
-            durable_replace(tmp, out / shard["file"])
+            if written is not None:
+                written.result()
+            written = writer.submit(_write_shard, out / shard["file"], pieces, shard["rows"], lengths[split],
+                                    {"layers": json.dumps(layers), "split": split, "fingerprint": fp})
+        if written is not None:
+            written.result()
         dummy = torch.full((1, 1), tokenizer.pad_token_id, dtype=torch.long, device=device)
         for _ in range(n_passes - done_passes):  # keep ZeRO-3 ranks in step
             capture(model, dummy, layers)
