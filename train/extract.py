@@ -26,6 +26,7 @@ decides which: its view of the files) are dealt to the ranks in turn; inside a s
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -61,6 +62,7 @@ from train.target import (
 )
 
 SPLITS = ("train", "validation")
+INDEX = "index.json"  # shard file -> [its rows, their offsets] (README, "Files between stages")
 
 
 class ExtractError(UserError, RuntimeError):
@@ -237,6 +239,11 @@ def _names_the_fix_when_out_of_memory(cfg: DictConfig) -> Iterator[None]:
             + "; `plan=true` prints the estimate. A rerun keeps the shards written so far.") from e
 
 
+def _offsets(rows: list[int], lengths: list[int]) -> list[int]:
+    """Where each of ``rows`` starts in its shard, and where the last ends."""
+    return [0, *itertools.accumulate(lengths[r] for r in rows)]
+
+
 def _write_shard(path: Path, pieces: dict[int, tuple[torch.Tensor, torch.Tensor]], rows: list[int],
                  lengths: list[int], metadata: dict[str, str]) -> None:
     """One shard of ``rows`` (``pieces``: row -> its states and argmax), written whole, then renamed into place."""
@@ -244,7 +251,7 @@ def _write_shard(path: Path, pieces: dict[int, tuple[torch.Tensor, torch.Tensor]
     save_file({"hidden": torch.cat([pieces[r][0] for r in rows]).contiguous(),
                "argmax": torch.cat([pieces[r][1] for r in rows]).contiguous(),
                "row_index": torch.tensor(rows, dtype=torch.long),
-               "offsets": torch.tensor([0] + [lengths[r] for r in rows]).cumsum(0)}, str(tmp), metadata=metadata)
+               "offsets": torch.tensor(_offsets(rows, lengths))}, str(tmp), metadata=metadata)
     durable_replace(tmp, path)
 
 
@@ -355,6 +362,8 @@ def run(cfg: DictConfig) -> dict:
     if dist.is_main():
         write_atomic(out / "manifest.json", json.dumps(manifest, indent=2))
         write_atomic(out / "provenance.json", json.dumps({"world_size": world, **ready.summary()}, indent=2))
+        write_atomic(out / INDEX, json.dumps({s["file"]: [s["rows"], _offsets(s["rows"], lengths[s["split"]])]
+                                              for s in shards}))
         if ready.captured is not None:  # now copied into the shards
             shutil.rmtree(ready.captured.dir, ignore_errors=True)
     rate = sum(s["tokens"] for s in mine) / max(elapsed, 1e-9)
@@ -450,9 +459,15 @@ class Captures:
         self.manifest = json.loads((self.dir / "manifest.json").read_text())
         self.layers = self.manifest["layers"]
         self.index: dict[str, dict[int, tuple[str, int, int]]] = {s: {} for s in SPLITS}
+        # where each row is, from one file (every rank opening every shard's header: ~200k shards at 8B on a
+        # network filesystem, minutes before the first step); from the headers for shards of an older extract
+        located = json.loads((self.dir / INDEX).read_text()) if (self.dir / INDEX).exists() else {}
         for shard in self.manifest["shards"]:
-            with safe_open(str(self.dir / shard["file"]), framework="pt") as f:
-                rows, offsets = f.get_tensor("row_index").tolist(), f.get_tensor("offsets").tolist()
+            if shard["file"] in located:
+                rows, offsets = located[shard["file"]]
+            else:
+                with safe_open(str(self.dir / shard["file"]), framework="pt") as f:
+                    rows, offsets = f.get_tensor("row_index").tolist(), f.get_tensor("offsets").tolist()
             for j, r in enumerate(rows):
                 self.index[shard["split"]][r] = (shard["file"], offsets[j], offsets[j + 1])
         self.files = OpenShards(self.dir)
