@@ -579,7 +579,8 @@ def run(cfg: DictConfig) -> dict:
         "target": cfg.model.name, "head": kind, "device": str(target.device), "dtype": str(target.dtype),
         "dtype_choice": dtype_choice, "cpu_threads": threads,
         "head_params": sum(v.numel() for v in head.trained_state_dict().values() if v.is_floating_point()),
-        "head_extra_memory_mb": _mb(chain(head.parameters(), head.buffers())),
+        "head_extra_memory_mb": _mb(t for t in chain(head.parameters(), head.buffers())   # not the target's embedding
+                                    if all(t is not p for p in target.get_input_embeddings().parameters())),
         "target_params": sum(p.numel() for p in target.parameters()),
         "target_memory_mb": _mb(chain(target.parameters(), target.buffers())),
         "tree": tree, "baselines": baseline_summary(records, baselines), "results": results,

@@ -53,16 +53,18 @@ def load_head_config(path: str | Path) -> tuple[str, Eagle3Config | MedusaConfig
     return meta["type"], KINDS[meta["type"]][0](**meta["config"])
 
 
-def load_head(path: str | Path, target=None) -> nn.Module:
-    """Rebuild a saved head; with ``target`` (a model or :class:`TargetWeights`), copy the target's
-    embedding into an EAGLE-3 head."""
+def load_head(path: str | Path, target: nn.Module | TargetWeights | None = None) -> nn.Module:
+    """Rebuild a saved head; with ``target``, an EAGLE-3 head gets the target's embedding: a loaded model's own
+    parameter, shared (a second copy is 1 GB at 8B in bf16), or a copy of :class:`TargetWeights`'."""
     path = Path(path)
     head = build_head(*load_head_config(path))
     missing, unexpected = head.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
     missing = [k for k in missing if not k.startswith("embed_tokens.")]
     if missing or unexpected:
         raise ValueError(f"{path}: head checkpoint does not match its config: missing={missing}, unexpected={unexpected}")
-    if target is not None and isinstance(head, Eagle3Head):
+    if isinstance(target, nn.Module) and isinstance(head, Eagle3Head):
+        head.embed_tokens.weight = target.get_input_embeddings().weight
+    elif target is not None and isinstance(head, Eagle3Head):
         with torch.no_grad():
-            head.embed_tokens.weight.copy_(TargetWeights.of(target).embed)
+            head.embed_tokens.weight.copy_(target.embed)
     return head.eval()

@@ -112,6 +112,19 @@ def test_draft_tree_structure():
     assert tree.children() == [[1, 2], [3], [], [4], []]
     expected = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]])
     assert torch.equal(tree.ancestor_mask().long(), expected)
+    gen = torch.Generator().manual_seed(0)
+    for size in (1, 2, 7, 64):   # random trees and a 64-deep chain: each row's ancestors, walked up one by one
+        parents = [int(torch.randint(0, i + 1, (1,), generator=gen)) for i in range(size)]
+        for t in (DraftTree(list(range(size)), parents), DraftTree.chain(list(range(size)))):
+            walked = torch.zeros(size + 1, size + 1, dtype=torch.bool)
+            for i in range(size + 1):
+                j = i
+                while True:
+                    walked[i, j] = True
+                    if j == 0:
+                        break
+                    j = t.parents[j - 1]
+            assert torch.equal(t.ancestor_mask(), walked)
     merged = tree.merge(DraftTree.chain([5, 7, 9]))   # 5 -> 7 exist (nodes 1, 3); 9 is new under node 3
     assert merged.tokens == [5, 6, 7, 8, 9] and merged.parents == [0, 0, 1, 3, 3]
     merged = tree.merge(DraftTree.chain([6, 1]))

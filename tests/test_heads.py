@@ -146,6 +146,7 @@ def test_save_load_round_trip(tiny_qwen2_cfg, tmp_path):
         head.fc.weight.normal_()
     save_head(head, tmp_path / "h")
     again = load_head(tmp_path / "h", target)
+    assert again.embed_tokens.weight is target.get_input_embeddings().weight   # shared, not a second copy
     x = torch.randn(1, 4, 3 * target.config.hidden_size)
     ids = torch.randint(0, target.config.vocab_size, (1, 4))
     pos = torch.arange(4)[None]
