@@ -9,11 +9,13 @@ in ``<run_dir>/data/captured/``, one file per generated batch (and rank):
 - ``part-<time>-<pid>.safetensors``: ``hidden`` [tokens, n_layers, H] (extract.dtype), ``argmax`` [tokens]
   (int32, the target's full-vocabulary next-token argmax), ``ids`` [tokens] (int32, the token ids the states
   belong to), ``offsets`` [rows + 1]; metadata ``keys`` (JSON list of prompt keys, one per row),
-  ``layers``, ``dtype``, ``target`` (fingerprint). Written under a temporary name and renamed.
+  ``layers``, ``dtype``, ``target`` (fingerprint). Written under a temporary name, fsynced and renamed (a
+  part torn all the same, by a crash before 2026-12-07, is skipped: its rows are computed again).
 
 The extract stage takes a row's states from here when the row's ``input_ids`` are a prefix of the captured
 ``ids`` (same layers, dtype and target), runs its forward pass for the other rows, and deletes the directory
-once its shards are written (:mod:`train.extract`).
+once its shards are written (:mod:`train.extract`). Where the disk cannot hold the shards of every row beside
+these files, it first deletes the newest parts (:func:`train.extract.make_room`).
 """
 
 from __future__ import annotations

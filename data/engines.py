@@ -172,7 +172,7 @@ def capture_writer(cfg: DictConfig, rows: int) -> CaptureWriter | None:
     from train.target import load_config, target_fingerprint
 
     return CaptureWriter(stage_dir(cfg, "data") / "captured", capture_layers(cfg, load_config(cfg)),
-                         cfg.extract.dtype, target_fingerprint(cfg), rows, cfg.extract.disk_margin)
+                         cfg.extract.dtype, target_fingerprint(cfg), rows=rows, margin=cfg.extract.disk_margin)
 
 
 def generation_config(cfg: DictConfig):
@@ -261,7 +261,7 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
         else:
             stats = {"cached": 0, "generated": 0, "new_tokens": 0, "seconds": 0.0}
     except BaseException as e:
-        failed.write_text(json.dumps({"rank": rank, "error": repr(e)}))
+        write_atomic(failed, json.dumps({"rank": rank, "error": repr(e)}))
         raise
     write_atomic(done, json.dumps({"rank": rank, "world": world, "stats": stats, "keys": list(mine)}))
     if rank != 0:

@@ -133,8 +133,8 @@ def markdown(report: dict) -> str:
         ["target", f"{report['target_params']:,}", report["target_memory_mb"]],
         [f"{report['head']} head", f"{report['head_params']:,}", report["head_extra_memory_mb"]],
     ])
-    lines += ["", "Head parameters are the trained ones; its memory counts every tensor it holds (an EAGLE-3 "
-              "head also keeps its own copy of the target's input embedding).", "", "## Tree", ""]
+    lines += ["", "Head parameters are the trained ones; its memory counts every tensor it holds but the target's "
+              "input embedding, which an EAGLE-3 head shares with the target.", "", "## Tree", ""]
     if report["head"] == "eagle3":
         lines.append(f"- EAGLE-2 tree: top_k {tree['top_k']}, depth {tree['depth']}, total_tokens "
                      f"{tree['total_tokens']} ({tree['total_tokens_source']})")

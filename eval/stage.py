@@ -145,11 +145,13 @@ def precision_spread(logits: torch.Tensor, error: torch.Tensor | None, *tokens: 
 class Fp32Scorer:
     """The target's float32 next-token logits after a token prefix, and the decoding precision's error there.
     ``target`` decodes (any precision); ``fp32``, the float32 target when the caller holds one (its weights as
-    loaded). Else, for a target decoding in the precision its files store (a 7-8B target's bf16), the target
-    itself computes in float32 one module at a time (:func:`float32_weights`: exactly the float32 target, ~1 GB
-    more at 8B instead of a 32 GB copy); for one stored in float32 and decoding in lower precision (the default
-    target in bf16), a float32 copy is loaded from its files on the first call (only divergences pay for it), on
-    the target's device when it has room for it, else on the CPU."""
+    loaded). Else, for a target decoding in the precision its files store (a 7-8B target's bf16) whose floating
+    buffers are float32 (RoPE's; not Gemma's bf16 embedding scale), the target itself computes in float32 one
+    module at a time (:func:`float32_weights`: exactly the float32 target; at 8B ~3 GB more for a 2k-token prefix:
+    the float32 embedding or lm_head, one layer, the activations, instead of a 32 GB copy); otherwise (the default
+    target stored in float32 and decoding in bf16; that pass out of memory), a float32 copy is loaded from its
+    files on the first call (only divergences pay for it), on the target's device when it has room, else on the
+    CPU."""
 
     def __init__(self, target, cfg: DictConfig, fp32=None):
         self.target, self.cfg, self.model = target, cfg, fp32
@@ -158,14 +160,21 @@ class Fp32Scorer:
     @torch.inference_mode()
     def _logits(model, ids: list[int]) -> torch.Tensor:
         ids_t = torch.tensor([ids], device=next(model.parameters()).device)
-        return model(ids_t, logits_to_keep=last_logits_only(ids_t)).logits[0, -1].float()
+        return model(ids_t, logits_to_keep=last_logits_only(ids_t), use_cache=False).logits[0, -1].float()
 
     def __call__(self, ids: list[int]) -> torch.Tensor:
         if self.model is None:
-            self.model = self.target if stored_dtypes(self.cfg) <= {self.target.dtype} else self._load()
+            upcast = stored_dtypes(self.cfg) == {self.target.dtype} and all(
+                b.dtype == torch.float32 for b in self.target.buffers() if b.is_floating_point())
+            self.model = self.target if upcast else self._load()
         if self.model is self.target and self.target.dtype != torch.float32:
-            with float32_weights(self.target):
-                return self._logits(self.target, ids)
+            try:
+                with float32_weights(self.target):
+                    return self._logits(self.target, ids)
+            except torch.OutOfMemoryError:
+                log("[eval] out of device memory computing the target in float32 one module at a time: judging "
+                    "divergences with a float32 copy of it (on the CPU when the device has no room)")
+                self.model = self._load()
         return self._logits(self.model, ids)
 
     def _load(self):

@@ -341,6 +341,16 @@ def test_a_target_stored_in_bf16_is_judged_in_float32_without_a_copy(tiny_plain,
     torch.testing.assert_close(Fp32Scorer._logits(bf16, context), before, atol=0, rtol=0)
     assert scorer.error(context, logits).abs().max() > 0
 
+    monkeypatch.undo()   # that pass out of device memory, or a bf16 buffer (Gemma's embedding scale): a float32 copy
+    monkeypatch.setattr(stage, "float32_weights", lambda model: (_ for _ in ()).throw(torch.OutOfMemoryError("OOM")))
+    late = Fp32Scorer(bf16, bf16_cfg)
+    torch.testing.assert_close(late(context), logits, atol=1e-5, rtol=1e-5)
+    assert late.model is not bf16 and late.model.dtype == torch.float32
+    bf16.model.register_buffer("scale", torch.ones((), dtype=torch.bfloat16))
+    scaled = Fp32Scorer(bf16, bf16_cfg)
+    scaled(context)
+    assert scaled.model is not bf16
+
 
 def record(method: str, prompt: str, wall_s: float, div: dict | None = None, temperature: float = 0.0) -> dict:
     """A synthetic per-prompt record: 20 tokens in 10 cycles (plain: 20), ``wall_s`` seconds."""

@@ -128,13 +128,16 @@ def test_extract_from_regeneration_equals_a_separate_pass(tmp_path, text_twin, d
         assert (a[key][1] == b[key][1]).float().mean() >= (1.0 if dtype == "float32" else 0.95)
 
 
-def test_a_disk_filling_up_keeps_fewer_states_and_extract_computes_the_rest(tmp_path, text_twin, monkeypatch):
+@pytest.mark.parametrize("keep_all,disk", [(False, 1.7), (True, 1.5)])
+def test_a_disk_filling_up_keeps_fewer_states_and_extract_computes_the_rest(tmp_path, text_twin, monkeypatch,
+                                                                            keep_all, disk):
     """States kept while regenerating take 28.7 KB per token at 7B (TBs for a ShareGPT-sized set), and the extract
-    stage writes every row's shards while they are still on disk. With a disk short of room for all of it, the data
-    stage keeps no more (a full disk failed the stage, and every rerun) while the shards of every row still fit: it
-    kept until only a copy of the kept ones fit, and the extract stage then refused, after the whole data stage.
-    Here the disk holds 1.7x the shards: the extract stage runs, computes the rows not kept, and writes the same
-    shards as a separate pass."""
+    stage writes every row's shards while they are still on disk. The disk holds ``disk`` x the shards. The data
+    stage keeps no more states once the shards of every row (its estimate: the mean kept row x all rows) would no
+    longer fit beside them: it kept until only a copy of the kept ones fit, and the extract stage then refused,
+    after the whole data stage. Where that estimate falls short (here: a writer made to keep all), the
+    extract stage deletes the last kept files until the shards fit. Either way it computes the rows not kept and
+    writes the same shards as a separate pass."""
     from collections import namedtuple
     from functools import partial
 
@@ -144,12 +147,13 @@ def test_a_disk_filling_up_keeps_fewer_states_and_extract_computes_the_rest(tmp_
     shards = json.loads((stage_dir(passed, "extract") / "manifest.json").read_text())["bytes"]
     usage = namedtuple("usage", "total used free")
 
-    def disk_usage(path):   # 1.7x the shards, less what the run below has written (kept states, then shards)
+    def disk_usage(path):   # less what the run below has written (kept states, then shards)
         used = sum(f.stat().st_size for f in (tmp_path / "short").rglob("*.safetensors"))
-        return usage(2**40, used, int(1.7 * shards) - used)
+        return usage(2**40, used, int(disk * shards) - used)
 
     monkeypatch.setattr("shutil.disk_usage", disk_usage)
-    monkeypatch.setattr(data.engines, "CaptureWriter", partial(data.engines.CaptureWriter, keep_free=int(0.1 * shards)))
+    writer = {"keep_free": -2**40, "margin": 0.0} if keep_all else {"keep_free": int(0.1 * shards)}
+    monkeypatch.setattr(data.engines, "CaptureWriter", partial(data.engines.CaptureWriter, **writer))
     short = _run(tmp_path / "short", text_twin, "regen", "extract.dtype=float32")
     rows = sum(json.loads((stage_dir(short, "extract") / "manifest.json").read_text())["rows"].values())
     kept = json.loads((stage_dir(short, "extract") / "provenance.json").read_text())["from_regeneration"]["rows"]

@@ -11,16 +11,18 @@ Output ``<run_dir>/extract/``:
   (int32: the target's full-vocabulary next-token argmax, so training needs only the draft
   vocabulary's rows of the lm_head), ``row_index`` [rows] (row of the data split), ``offsets``
   [rows + 1] (row r is hidden[offsets[r]:offsets[r+1]]);
-  written under a temporary name and renamed, so a file that exists is complete; partial files of a
-  killed run are deleted when the stage starts again.
+  written (by a writer thread, while the next shard is computed) under a temporary name, fsynced and renamed, so
+  a file that exists is complete; partial files of a killed run are deleted when the stage starts again.
+- ``index.json`` (rank 0): shard file -> [its ``row_index``, its ``offsets``], so that every rank of the train
+  stage reads one file rather than every shard's header.
 - ``manifest.json`` (rank 0, after all ranks finished): what the shards hold -- layers, dtype, hidden size,
   shards, token counts, bytes, fingerprints of the target, the tokenizer and the data. It is the stage's output
   identity (downstream stages and training checkpoints follow its hash), so it holds nothing of how it was made;
 - ``provenance.json``: how it was made -- ranks (``world_size``), rows whose states were kept while
   regenerating (``from_regeneration``) or copied from a sibling run (``from_run``).
 
-Rows are sorted by length and cut into shards of about ``extract.shard_mb``; the shards still to write (rank 0
-decides which: its view of the files) are dealt to the ranks in turn; inside a shard, batches of at most
+Rows are sorted by length and cut into shards of about ``extract.shard_mb``; the shards still to write (each
+rank judges its turn's files, the verdicts gathered) are dealt to the ranks in turn; inside a shard, batches of at most
 ``extract.batch_tokens`` padded tokens. ``force=[extract]`` writes every shard again.
 """
 
@@ -159,20 +161,31 @@ def _complete(path: Path, fps: set[str]) -> bool:
         return False
 
 
-def check_disk(path: Path, needed: int, margin: float, kept: Path | None = None) -> None:
-    """Refuse, naming the fixes, unless ``path`` has room for ``needed`` bytes x ``margin`` (``kept``: the states
-    kept while regenerating, which this run copies into its shards and deletes after)."""
+def check_disk(path: Path, needed: int, margin: float) -> None:
     free = shutil.disk_usage(path).free
     log(f"[extract] needs about {needed / 2**30:.2f} GiB on disk; {free / 2**30:.2f} GiB free at {path}")
     if free < needed * margin:
-        held = sum(f.stat().st_size for f in kept.glob("*.safetensors")) if kept else 0
         raise ExtractError(
             f"not enough free disk at {path}: the extraction needs about {needed / 2**30:.2f} GiB "
             f"(x{margin} margin) but only {free / 2**30:.2f} GiB are free. Free space, point run_dir elsewhere, "
-            "or use extract.dtype=float16/bfloat16 or train.online=true (no disk)"
-            + (f", or extract.source=pass: the {held / 2**30:.2f} GiB of states kept while regenerating ({kept}) are "
-               "deleted first and every row is computed" if held else "") + "."
+            "or use extract.dtype=float16/bfloat16 or train.online=true (no disk)."
         )
+
+
+def make_room(kept: Path, out: Path, short: int) -> None:
+    """(Rank 0) Free ``short`` bytes for the shards at ``out`` by deleting the last parts of the states kept while
+    regenerating (``kept``, on the same filesystem): their rows go through the forward pass instead."""
+    if short <= 0 or not kept.is_dir() or os.stat(kept).st_dev != os.stat(out).st_dev:
+        return
+    parts, deleted, freed = sorted(kept.glob("part-*.safetensors"), reverse=True), 0, 0   # part-<time_ns>-<pid>
+    for part in parts:   # newest first
+        if freed >= short:
+            break
+        freed += part.stat().st_size
+        part.unlink()
+        deleted += 1
+    log(f"[extract] deleted {deleted} of the {len(parts)} files of states kept while regenerating ({freed / 2**30:.2f} "
+        f"GiB): the shards of every row fit only without them; their rows go through the forward pass")
 
 
 @contextmanager
@@ -276,13 +289,13 @@ def run(cfg: DictConfig) -> dict:
     shards = plan_shards(lengths, bytes_per_token, cfg.extract.shard_mb)
     fp = fingerprint(cfg, "extract", ignore=HOW["extract"])
     dataset_id = data_manifest["dataset_id"]
-    ready = ReadyStates(cfg, ds, lengths, layers, data_manifest["target_fingerprint"], dataset_id)
     world, rank = dist.world_size(), dist.rank()
     kept = stage_dir(cfg, "data") / "captured"
+    uses_kept = dist.broadcast(reads_kept(cfg) if dist.is_main() else None)   # one decision for every rank
     if dist.is_main():  # shards of an earlier plan (another shard_mb, other rows) would never be overwritten
         for f in set(out.glob("*.safetensors")) - {out / s["file"] for s in shards}:
             f.unlink()
-        if ready.captured is None and kept.is_dir() and cfg.extract.get("source") == "pass":
+        if not uses_kept and kept.is_dir() and cfg.extract.get("source") == "pass":
             # set since they were kept: nothing reads them, and the disk check below counts their room as free
             log(f"[extract] deleting the hidden states kept while regenerating ({kept}): extract.source=pass")
             shutil.rmtree(kept, ignore_errors=True)
@@ -296,8 +309,13 @@ def run(cfg: DictConfig) -> dict:
             for s in shards[rank::world] if redo or not _complete(out / s["file"], fps)}
     left = {f: size for part in dist.all_gather_objects(left) for f, size in part.items()}
     todo = set(left)
-    check_disk(out, sum(s["tokens"] for s in shards if s["file"] in todo) * (bytes_per_token + 4) - sum(left.values()),
-               cfg.extract.disk_margin, kept if ready.captured is not None else None)
+    needed = sum(s["tokens"] for s in shards if s["file"] in todo) * (bytes_per_token + 4) - sum(left.values())
+    if uses_kept:   # the kept states stay on disk until copied: where the shards of every row do not fit beside them
+        if dist.is_main():   # (the data stage's estimate of the rows to come fell short), fewer are kept
+            make_room(kept, out, int(needed * cfg.extract.disk_margin) - shutil.disk_usage(out).free)
+        dist.barrier()
+    check_disk(out, needed, cfg.extract.disk_margin)
+    ready = ReadyStates(cfg, ds, lengths, layers, data_manifest["target_fingerprint"], dataset_id, uses_kept)
 
     pending = [s for s in shards if s["file"] in todo]
     mine = pending[rank::world]
@@ -360,10 +378,10 @@ def run(cfg: DictConfig) -> dict:
         "bytes_per_token": round(total_bytes / max(tokens, 1), 1), "dataset_id": dataset_id,
     }
     if dist.is_main():
-        write_atomic(out / "manifest.json", json.dumps(manifest, indent=2))
-        write_atomic(out / "provenance.json", json.dumps({"world_size": world, **ready.summary()}, indent=2))
         write_atomic(out / INDEX, json.dumps({s["file"]: [s["rows"], _offsets(s["rows"], lengths[s["split"]])]
                                               for s in shards}))
+        write_atomic(out / "manifest.json", json.dumps(manifest, indent=2))
+        write_atomic(out / "provenance.json", json.dumps({"world_size": world, **ready.summary()}, indent=2))
         if ready.captured is not None:  # now copied into the shards
             shutil.rmtree(ready.captured.dir, ignore_errors=True)
     rate = sum(s["tokens"] for s in mine) / max(elapsed, 1e-9)
@@ -372,6 +390,13 @@ def run(cfg: DictConfig) -> dict:
         f"peak RSS {peak_rss:.2f} GiB")
     return {"tokens": tokens, "bytes": total_bytes, "bytes_per_token": manifest["bytes_per_token"],
             "tokens_per_s_rank0": round(rate, 1), "peak_rss_gib": round(peak_rss, 2)}
+
+
+def reads_kept(cfg: DictConfig) -> bool:
+    """Whether the extract stage reads the states kept while regenerating: ``extract.source: regen`` (``auto`` with
+    the hf backend), and under ``auto`` also when the backend has changed since they were kept (the data stage
+    ignores it): the files say whose states they are and covers() checks each row's tokens."""
+    return keeps_states(cfg) or (cfg.extract.get("source", "pass") == "auto" and (stage_dir(cfg, "data") / "captured").is_dir())
 
 
 class ReadyStates:
@@ -385,15 +410,12 @@ class ReadyStates:
     """
 
     def __init__(self, cfg: DictConfig, ds, lengths: dict[str, list[int]], layers: list[int], target: str,
-                 dataset_id: str):
+                 dataset_id: str, uses_kept: bool):
         self.ds, self.lengths = ds, lengths
         self.rows: dict[str, dict[int, str]] = {s: {} for s in SPLITS}  # split -> row -> "regeneration" | "run"
         self.captured = self.sibling = None
-        kept = stage_dir(cfg, "data") / "captured"
-        # Also under extract.source=auto when the backend has changed since they were kept (the data stage ignores
-        # it): the files say whose states they are and covers() checks each row's tokens.
-        if keeps_states(cfg) or (cfg.extract.get("source", "pass") == "auto" and kept.is_dir()):
-            self.captured = CapturedStates(kept, layers, cfg.extract.dtype, target)
+        if uses_kept:   # :func:`reads_kept`
+            self.captured = CapturedStates(stage_dir(cfg, "data") / "captured", layers, cfg.extract.dtype, target)
             for split in SPLITS:
                 for r, key in enumerate(ds[split]["key"]):
                     if key in self.captured.index and self.captured.covers(key, ds[split][r]["input_ids"]):
@@ -463,9 +485,8 @@ class Captures:
         # network filesystem, minutes before the first step); from the headers for shards of an older extract
         located = json.loads((self.dir / INDEX).read_text()) if (self.dir / INDEX).exists() else {}
         for shard in self.manifest["shards"]:
-            if shard["file"] in located:
-                rows, offsets = located[shard["file"]]
-            else:
+            rows, offsets = located.get(shard["file"], ([], [0]))
+            if (len(rows), offsets[-1]) != (shard["rows"], shard["tokens"]):   # not the manifest's shard as planned
                 with safe_open(str(self.dir / shard["file"]), framework="pt") as f:
                     rows, offsets = f.get_tensor("row_index").tolist(), f.get_tensor("offsets").tolist()
             for j, r in enumerate(rows):

@@ -366,8 +366,9 @@ class _Checkpoint:
         return out
 
 
-    def stored_dtypes(self) -> set[torch.dtype]:
-        """The floating dtypes the checkpoint's files store its tensors in (their headers only: nothing is read)."""
+    def stored_dtypes(self) -> set[torch.dtype | str]:
+        """The dtypes the checkpoint's files store its tensors in (their headers only: nothing is read): torch's
+        for the floating ones, safetensors' names for the others (``F8_E4M3``, ``I32``: a quantised checkpoint)."""
         from safetensors import safe_open
         from transformers.utils import cached_file
 
@@ -375,13 +376,13 @@ class _Checkpoint:
         out = set()
         for file in sorted(set(self.where.values())):
             with safe_open(cached_file(self.path, file, **self.kw), framework="pt") as f:
-                out |= {names[d] for d in (f.get_slice(k).get_dtype() for k in f.keys()) if d in names}
+                out |= {names.get(d, d) for d in (f.get_slice(k).get_dtype() for k in f.keys())}
         return out
 
 
-def stored_dtypes(cfg: DictConfig) -> set[torch.dtype]:
-    """The floating dtypes of the target's safetensors files (bf16 for the 7-8B presets, float32 for the default
-    target's dequantised folder)."""
+def stored_dtypes(cfg: DictConfig) -> set[torch.dtype | str]:
+    """The dtypes of the target's safetensors files (bf16 for the 7-8B presets, float32 for the default target's
+    dequantised folder)."""
     return _Checkpoint(cfg).stored_dtypes()
 
 
