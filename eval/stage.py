@@ -171,10 +171,11 @@ class Fp32Scorer:
             try:
                 with float32_weights(self.target):
                     return self._logits(self.target, ids)
-            except torch.OutOfMemoryError:
-                log("[eval] out of device memory computing the target in float32 one module at a time: judging "
-                    "divergences with a float32 copy of it (on the CPU when the device has no room)")
-                self.model = self._load()
+            except torch.OutOfMemoryError:   # loaded below, once the failed pass's tensors are released with it
+                pass
+            log("[eval] out of device memory computing the target in float32 one module at a time: judging "
+                "divergences with a float32 copy of it (on the CPU when the device has no room)")
+            self.model = self._load()
         return self._logits(self.model, ids)
 
     def _load(self):

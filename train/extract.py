@@ -161,8 +161,9 @@ def _complete(path: Path, fps: set[str]) -> bool:
         return False
 
 
-def check_disk(path: Path, needed: int, margin: float) -> None:
-    free = shutil.disk_usage(path).free
+def check_disk(path: Path, needed: int, margin: float, free: int | None = None) -> None:
+    """Refuse unless ``path`` has room for ``needed`` bytes x ``margin`` (``free``: as measured by the caller)."""
+    free = shutil.disk_usage(path).free if free is None else free
     log(f"[extract] needs about {needed / 2**30:.2f} GiB on disk; {free / 2**30:.2f} GiB free at {path}")
     if free < needed * margin:
         raise ExtractError(
@@ -172,11 +173,12 @@ def check_disk(path: Path, needed: int, margin: float) -> None:
         )
 
 
-def make_room(kept: Path, out: Path, short: int) -> None:
+def make_room(kept: Path, out: Path, short: int) -> int:
     """(Rank 0) Free ``short`` bytes for the shards at ``out`` by deleting the last parts of the states kept while
-    regenerating (``kept``, on the same filesystem): their rows go through the forward pass instead."""
+    regenerating (``kept``, on the same filesystem): their rows go through the forward pass instead. Returns the
+    bytes deleted."""
     if short <= 0 or not kept.is_dir() or os.stat(kept).st_dev != os.stat(out).st_dev:
-        return
+        return 0
     parts, deleted, freed = sorted(kept.glob("part-*.safetensors"), reverse=True), 0, 0   # part-<time_ns>-<pid>
     for part in parts:   # newest first
         if freed >= short:
@@ -186,6 +188,7 @@ def make_room(kept: Path, out: Path, short: int) -> None:
         deleted += 1
     log(f"[extract] deleted {deleted} of the {len(parts)} files of states kept while regenerating ({freed / 2**30:.2f} "
         f"GiB): the shards of every row fit only without them; their rows go through the forward pass")
+    return freed
 
 
 @contextmanager
@@ -310,11 +313,20 @@ def run(cfg: DictConfig) -> dict:
     left = {f: size for part in dist.all_gather_objects(left) for f, size in part.items()}
     todo = set(left)
     needed = sum(s["tokens"] for s in shards if s["file"] in todo) * (bytes_per_token + 4) - sum(left.values())
-    if uses_kept:   # the kept states stay on disk until copied: where the shards of every row do not fit beside them
-        if dist.is_main():   # (the data stage's estimate of the rows to come fell short), fewer are kept
-            make_room(kept, out, int(needed * cfg.extract.disk_margin) - shutil.disk_usage(out).free)
-        dist.barrier()
-    check_disk(out, needed, cfg.extract.disk_margin)
+    verdict = None   # rank 0 judges the disk for all (ranks apart would see other free space; one refusing alone hangs
+    if dist.is_main():   # the others in the next collective), and its error reaches every rank
+        try:
+            free = shutil.disk_usage(out).free
+            if uses_kept:   # kept states stay on disk until copied: where the shards of every row do not fit beside
+                # them (the data stage's estimate of the rows to come fell short), fewer are kept; a filesystem that
+                # frees space late (ZFS, a network client's cache) is counted as freed
+                free = max(shutil.disk_usage(out).free,
+                           free + make_room(kept, out, int(needed * cfg.extract.disk_margin) - free))
+            check_disk(out, needed, cfg.extract.disk_margin, free)
+        except (ExtractError, OSError) as e:
+            verdict = str(e) if isinstance(e, ExtractError) else f"{type(e).__name__}: {e}"
+    if verdict := dist.broadcast(verdict):
+        raise ExtractError(verdict)
     ready = ReadyStates(cfg, ds, lengths, layers, data_manifest["target_fingerprint"], dataset_id, uses_kept)
 
     pending = [s for s in shards if s["file"] in todo]
@@ -400,7 +412,8 @@ def reads_kept(cfg: DictConfig) -> bool:
 
 
 class ReadyStates:
-    """Rows whose states exist already, so the forward pass skips them (every rank computes the same sets):
+    """Rows whose states exist already, so the forward pass skips them (each rank computes its sets; the passes are
+    counted per rank, see :func:`run`):
 
     - ``extract.source: regen`` (``auto`` with the hf backend): kept while the data stage regenerated
       (:mod:`data.captured`), for rows whose tokens they cover;
