@@ -174,6 +174,27 @@ def test_states_kept_for_a_source_changed_to_pass_are_deleted(tmp_path, text_twi
     assert not (stage_dir(cfg, "data") / "captured").exists()
 
 
+def test_each_rank_checks_the_kept_states_of_its_own_rows_only(tmp_path, text_twin, monkeypatch):
+    """Every rank compared the kept tokens of every row with the dataset's (500k rows x 8 ranks: each row read 8
+    times over, through a file cache missing in dataset order); a rank now checks only the rows of its shards."""
+    from data.stage import load_dataset, row_lengths
+    from train.extract import ReadyStates
+
+    cfg = _run(tmp_path, text_twin, "regen", "stages=[data]")
+    ds = load_dataset(cfg)
+    lengths = {s: row_lengths(ds[s]) for s in ("train", "validation")}
+    manifest = json.loads((stage_dir(cfg, "data") / "manifest.json").read_text())
+    checked, covers = [], CapturedStates.covers
+    monkeypatch.setattr(CapturedStates, "covers", lambda self, key, ids: checked.append(key) or covers(self, key, ids))
+    wanted = {"train": [0, 2, 3], "validation": [0]}
+    ready = ReadyStates(cfg, ds, lengths, capture_layers(cfg, load_config(cfg)), manifest["target_fingerprint"],
+                        manifest["dataset_id"], True, wanted)
+    assert sorted(checked) == sorted(ds[s][r]["key"] for s, rows in wanted.items() for r in rows)
+    assert ready.rows == {s: dict.fromkeys(rows, "regeneration") for s, rows in wanted.items()}
+    assert ready.summary()["from_regeneration"] == {"rows": 4, "tokens": sum(lengths[s][r] for s in wanted
+                                                                              for r in wanted[s])}
+
+
 def test_states_kept_before_a_backend_change_are_still_used(tmp_path, text_twin):
     """Kept with hf, then data.regen.backend=openai (the data stage ignores the key: not rerun): under
     extract.source=auto the extract stage neither used nor deleted them (TBs, every row computed again)."""

@@ -327,10 +327,10 @@ def run(cfg: DictConfig) -> dict:
             verdict = str(e) if isinstance(e, ExtractError) else f"{type(e).__name__}: {e}"
     if verdict := dist.broadcast(verdict):
         raise ExtractError(verdict)
-    ready = ReadyStates(cfg, ds, lengths, layers, data_manifest["target_fingerprint"], dataset_id, uses_kept)
-
     pending = [s for s in shards if s["file"] in todo]
     mine = pending[rank::world]
+    ready = ReadyStates(cfg, ds, lengths, layers, data_manifest["target_fingerprint"], dataset_id, uses_kept,
+                        {split: [r for s in mine if s["split"] == split for r in s["rows"]] for split in SPLITS})
     # ZeRO-3 gathers parameters collectively: every rank must run the same number of forward passes, the most any
     # rank needs, each rank counting its own (the kept states each rank found could differ on a shared filesystem
     # whose nodes cache it apart: counts made from one view would then disagree, and the ranks wait on each other).
@@ -389,11 +389,12 @@ def run(cfg: DictConfig) -> dict:
         "rows": {s: len(lengths[s]) for s in SPLITS}, "tokens": tokens, "bytes": total_bytes,
         "bytes_per_token": round(total_bytes / max(tokens, 1), 1), "dataset_id": dataset_id,
     }
+    provenance = {"world_size": world, **ready.summary()}   # every rank's rows
     if dist.is_main():
         write_atomic(out / INDEX, json.dumps({s["file"]: [s["rows"], _offsets(s["rows"], lengths[s["split"]])]
                                               for s in shards}))
         write_atomic(out / "manifest.json", json.dumps(manifest, indent=2))
-        write_atomic(out / "provenance.json", json.dumps({"world_size": world, **ready.summary()}, indent=2))
+        write_atomic(out / "provenance.json", json.dumps(provenance, indent=2))
         if ready.captured is not None:  # now copied into the shards
             shutil.rmtree(ready.captured.dir, ignore_errors=True)
     rate = sum(s["tokens"] for s in mine) / max(elapsed, 1e-9)
@@ -412,8 +413,8 @@ def reads_kept(cfg: DictConfig) -> bool:
 
 
 class ReadyStates:
-    """Rows whose states exist already, so the forward pass skips them (each rank computes its sets; the passes are
-    counted per rank, see :func:`run`):
+    """Rows whose states exist already, so the forward pass skips them; each rank judges only the rows of its own
+    shards (``wanted``: checking every row's kept tokens on every rank read them 8 times over at 8 ranks):
 
     - ``extract.source: regen`` (``auto`` with the hf backend): kept while the data stage regenerated
       (:mod:`data.captured`), for rows whose tokens they cover;
@@ -423,26 +424,28 @@ class ReadyStates:
     """
 
     def __init__(self, cfg: DictConfig, ds, lengths: dict[str, list[int]], layers: list[int], target: str,
-                 dataset_id: str, uses_kept: bool):
+                 dataset_id: str, uses_kept: bool, wanted: dict[str, list[int]]):
         self.ds, self.lengths = ds, lengths
         self.rows: dict[str, dict[int, str]] = {s: {} for s in SPLITS}  # split -> row -> "regeneration" | "run"
         self.captured = self.sibling = None
         if uses_kept:   # :func:`reads_kept`
             self.captured = CapturedStates(stage_dir(cfg, "data") / "captured", layers, cfg.extract.dtype, target)
             for split in SPLITS:
-                for r, key in enumerate(ds[split]["key"]):
-                    if key in self.captured.index and self.captured.covers(key, ds[split][r]["input_ids"]):
+                keys = ds[split]["key"]
+                for r in wanted[split]:
+                    if keys[r] in self.captured.index and self.captured.covers(keys[r], ds[split][r]["input_ids"]):
                         self.rows[split][r] = "regeneration"
         if cfg.extract.get("reuse", True):  # rank 0's choice (a sibling finishing now: ranks could see different ones)
             found = dist.broadcast(_sibling(cfg, layers, target, dataset_id, lengths) if dist.is_main() else None)
             self.sibling = None if found is None else (Captures(found[0]), found[1])
         if self.sibling is not None:
             for split in SPLITS:
-                for r in self.sibling[0].index[split]:
-                    self.rows[split].setdefault(r, "run")
+                for r in wanted[split]:
+                    if r in self.sibling[0].index[split]:
+                        self.rows[split].setdefault(r, "run")
         sibling = f" and {self.count('run')} in the run {self.sibling[0].dir.parent}" if self.sibling else ""
-        log(f"[extract] of {sum(map(len, lengths.values()))} rows, {self.count('regeneration')} have states kept "
-            f"while regenerating{sibling}; the others go through the forward pass")
+        log(f"[extract] of the {sum(map(len, wanted.values()))} rows left to this rank, {self.count('regeneration')} "
+            f"have states kept while regenerating{sibling}; the others go through the forward pass")
 
     def count(self, origin: str) -> int:
         return sum(o == origin for rows in self.rows.values() for o in rows.values())
@@ -456,12 +459,17 @@ class ReadyStates:
         return hidden[:, pick], argmax
 
     def summary(self) -> dict:
-        """Manifest entries: how many rows and tokens came from where."""
+        """Provenance entries: how many rows and tokens of the shards written now came from where, over every rank
+        (a collective: every rank calls it)."""
+        mine = {origin: [(s, r) for s in SPLITS for r, o in self.rows[s].items() if o == origin]
+                for origin in ("regeneration", "run")}
+        counts = dist.all_gather_objects({o: (len(rows), sum(self.lengths[s][r] for s, r in rows))
+                                          for o, rows in mine.items()})
         out = {}
         for origin, key in (("regeneration", "from_regeneration"), ("run", "from_run")):
-            rows = [(s, r) for s in SPLITS for r, o in self.rows[s].items() if o == origin]
+            rows, tokens = (sum(part[origin][i] for part in counts) for i in (0, 1))
             if rows or (origin == "regeneration" and self.captured is not None):
-                out[key] = {"rows": len(rows), "tokens": sum(self.lengths[s][r] for s, r in rows)}
+                out[key] = {"rows": rows, "tokens": tokens}
         if self.sibling is not None:  # found, if no row needed it (every row kept while regenerating): 0 rows
             out.setdefault("from_run", {"rows": 0, "tokens": 0})["run"] = str(self.sibling[0].dir.parent)
         return out
