@@ -18,8 +18,8 @@ Output ``<run_dir>/extract/``:
 - ``manifest.json`` (rank 0, after all ranks finished): what the shards hold -- layers, dtype, hidden size,
   shards, token counts, bytes, fingerprints of the target, the tokenizer and the data. It is the stage's output
   identity (downstream stages and training checkpoints follow its hash), so it holds nothing of how it was made;
-- ``provenance.json``: how it was made -- ranks (``world_size``), rows whose states were kept while
-  regenerating (``from_regeneration``) or copied from a sibling run (``from_run``).
+- ``provenance.json``: how it was made -- ranks (``world_size``); of the shards this run wrote, the rows whose
+  states were kept while regenerating (``from_regeneration``) or copied from a sibling run (``from_run``).
 
 Rows are sorted by length and cut into shards of about ``extract.shard_mb``; the shards still to write (each
 rank judges its turn's files, the verdicts gathered) are dealt to the ranks in turn; inside a shard, batches of at most

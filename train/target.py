@@ -355,27 +355,27 @@ class _Checkpoint:
 
     def read(self, names: list[str], dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
         """Stored name -> tensor for the model's tensors ``names`` (each stored tensor read once)."""
-        from safetensors import safe_open
-        from transformers.utils import cached_file
-
         out: dict[str, torch.Tensor] = {}
         for stored in map(self.key, names):
             if stored not in out:
-                with safe_open(cached_file(self.path, self.where[stored], **self.kw), framework="pt") as f:
+                with self.open(self.where[stored]) as f:
                     out[stored] = f.get_tensor(stored).to(device, dtype)
         return out
 
+    def open(self, file: str):
+        """The checkpoint's safetensors ``file``, opened lazily (nothing read until asked)."""
+        from safetensors import safe_open
+        from transformers.utils import cached_file
+
+        return safe_open(cached_file(self.path, file, **self.kw), framework="pt")
 
     def stored_dtypes(self) -> set[torch.dtype | str]:
         """The dtypes the checkpoint's files store its tensors in (their headers only: nothing is read): torch's
         for the floating ones, safetensors' names for the others (``F8_E4M3``, ``I32``: a quantised checkpoint)."""
-        from safetensors import safe_open
-        from transformers.utils import cached_file
-
         names = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
         out = set()
         for file in sorted(set(self.where.values())):
-            with safe_open(cached_file(self.path, file, **self.kw), framework="pt") as f:
+            with self.open(file) as f:
                 out |= {names.get(d, d) for d in (f.get_slice(k).get_dtype() for k in f.keys())}
         return out
 
