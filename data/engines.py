@@ -22,6 +22,7 @@ import concurrent.futures as futures
 import http.client
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -29,6 +30,7 @@ import subprocess
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -64,6 +66,18 @@ SERVED_NAME = "specheads-target"
 
 class RegenError(DataError):
     """Regeneration could not go on; the message says what failed. Answers already written are kept."""
+
+
+class RequestRefused(RegenError):
+    """The server refused one request (HTTP 4xx other than 408 and 429): that request is wrong, not the server."""
+
+
+def _opener(url: str) -> urllib.request.OpenerDirector:
+    """urllib's opener for ``url``: without the environment's proxies for this machine's own addresses (a cluster's
+    ``http_proxy``, set for the Hub, would otherwise receive the requests to a server on 127.0.0.1)."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    local = host in ("localhost", "::1", socket.gethostname()) or host.startswith("127.")
+    return urllib.request.build_opener(urllib.request.ProxyHandler({})) if local else urllib.request.build_opener()
 
 
 def cache_lock(path: Path):
@@ -155,7 +169,7 @@ def _regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Pat
             stats = regenerate_sharded(cfg, convs, tokenizer, path, target)
         return None if stats is None else {"backend": "hf", "world_size": dist.world_size(), **stats}
     stats = regenerate_openai(convs, tokenizer, rcfg, system_prompt, path, client,
-                              eos_ids(tokenizer, generation_config(cfg)), cfg.data.max_length)
+                              eos_ids(tokenizer, generation_config(cfg)), cfg.data.max_length, cfg.data.on_error)
     if client.server is None:
         return {"backend": "openai", "url": client.base, **stats}
     started = client.server.proc is not None  # not when every answer (and synth prompt) was cached
@@ -347,39 +361,57 @@ class OpenAIClient:
         self.backoff_s = backoff_s
         self.tokenizer_checked = False  # an answer's text was its token ids decoded here (:meth:`answer`)
         self.warned_text_only = False   # that the server gives answers as text only
+        self.halt = threading.Event()   # set: no request is retried (the run is stopping)
+        self.retry_lock, self.retried, self.retry_logged = threading.Lock(), 0, -1e9
 
     def _request(self, route: str, body: dict | None = None) -> dict:
         url = f"{self.base}/{route}"
         data = None if body is None else json.dumps(body).encode()
-        last = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), 30.0))
+        last, tries, timeouts = "", 0, 0
+        # a server that timed out twice is hung or far too loaded: retried on, it would be 9 x timeout_s of silence
+        while tries <= self.retries and timeouts < 2:
+            if tries:
+                self._note_retry(last, tries)
+                # jittered (threads failing together do not come back together), capped: an engine restart or a
+                # load balancer's 502s for a minute or two are outlived; a halt (the run stopping) ends the wait
+                if self.halt.wait(min(self.backoff_s * 2 ** (tries - 1), 60.0) * random.uniform(0.5, 1.0)):
+                    break
+            tries += 1
             if self.server is not None:
                 self.server.check()  # a server of ours that died: its log, not retries and "cannot reach"
             req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
                                          method="GET" if body is None else "POST")
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                with _opener(url).open(req, timeout=self.timeout_s) as resp:
                     return json.loads(resp.read().decode())
             except urllib.error.HTTPError as e:
                 text = e.read().decode(errors="replace")[:2000]
                 last = f"HTTP {e.code} from {url}: {text}"
-                if e.code != 429 and e.code < 500:
-                    break  # the request itself is wrong: retrying would not help
+                if e.code not in (408, 429) and e.code < 500:  # the request itself is wrong: retrying would not help
+                    raise RequestRefused(last) from None
             except TimeoutError:
-                last = f"no answer from {url} within data.regen.timeout_s={self.timeout_s:g} s"
+                last, timeouts = f"no answer from {url} within data.regen.timeout_s={self.timeout_s:g} s", timeouts + 1
             except urllib.error.URLError as e:
                 if isinstance(e.reason, (TimeoutError, socket.timeout)):
-                    last = f"no answer from {url} within data.regen.timeout_s={self.timeout_s:g} s"
+                    last, timeouts = f"no answer from {url} within data.regen.timeout_s={self.timeout_s:g} s", timeouts + 1
                 else:
                     last = f"cannot reach {url} ({e.reason}): is the server running and data.regen.url right?"
             except (http.client.HTTPException, ConnectionError, OSError) as e:
                 last = f"connection to {url} lost ({e!r}): did the server stop?"
             except json.JSONDecodeError as e:
                 last = f"{url} did not answer JSON ({e})"
-        tries = f" (after {self.retries + 1} tries)" if self.retries else ""
-        raise RegenError(last + tries)
+        raise RegenError(last + (f" (after {tries} tries)" if tries > 1 else ""))
+
+    def _note_retry(self, reason: str, tries: int) -> None:
+        """One log line per 30 s at most (512 requests in flight fail together), so a server that is down or slow
+        shows in the log instead of a progress bar standing still."""
+        with self.retry_lock:
+            self.retried += 1
+            if time.monotonic() - self.retry_logged < 30.0:
+                return
+            self.retry_logged = time.monotonic()
+            log(f"[data] retrying requests ({self.retried} retries so far; this one's try {tries + 1} of "
+                f"{self.retries + 1}, data.regen.retries): {reason}")
 
     def resolve_model(self) -> str:
         """The model name requests carry (data.regen.model, else the first model the server lists) and its
@@ -466,21 +498,29 @@ def _visible(text: str) -> str:
 
 
 def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | None, path: Path,
-                      client: OpenAIClient, eos: set[int], max_length: int | None = None) -> dict:
+                      client: OpenAIClient, eos: set[int], max_length: int | None = None,
+                      on_error: str = "raise") -> dict:
     """Fill ``path`` like :func:`data.regenerate.regenerate`, through an OpenAI-compatible server.
 
     ``client.concurrency`` conversations are in flight at once; each runs its user turns in order (its own earlier
     answers in the context). Every finished turn is appended and fsync'ed at once. On the first error no new
-    conversation starts, the ones in flight finish (or fail) and the error is raised: what was written stays, and
-    a rerun resumes from it. A conversation whose next prompt reaches ``max_length`` tokens ends there
-    (:func:`data.regenerate.cut_at_length`), before the server is asked, and so does one whose prompt fills the
-    server's context; answers get at most the room the context leaves, and no more than
+    conversation starts, no request is retried, the ones in flight finish (or fail) and the error is raised: what
+    was written stays, and a rerun resumes from it. A conversation whose next prompt reaches ``max_length`` tokens
+    ends there (:func:`data.regenerate.cut_at_length`), before the server is asked, and so does one whose prompt
+    fills the server's context; answers get at most the room the context leaves, and no more than
     :func:`data.regenerate.answer_room` (``max_length``). Answers are checked by :meth:`OpenAIClient.answer`.
+
+    ``on_error="skip"`` (``data.on_error``): a conversation the server refuses (HTTP 4xx: that request is wrong) or
+    the chat template cannot render is left out, its key and reason in ``stats["refused"]``, instead of stopping
+    the run; its answers so far stay in the cache, unfinished, and a rerun asks it again. Where the server refuses
+    more requests than it answers (at least 10), the fault is the server's or the settings': the run stops.
     """
     state, stats = pending(convs, system_prompt, path, max_length)
+    stats["refused"] = {}
     if not state:
         return stats
     client.resolve_model()  # an unreachable server fails here, before any work (a vLLM server starts here)
+    client.halt.clear()
     limit = min(n for n in (max_length, client.max_model_len) if n) if max_length or client.max_model_len else None
     total_turns = sum(len(r["users"]) - _answered(r) for r in state.values())
     log(f"[data] regenerating {len(state)} conversations ({total_turns} answers) via {client.base} "
@@ -488,29 +528,57 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
     lock, stop = threading.Lock(), threading.Event()  # the tokenizer is not thread-safe: used under the lock
     bar = progress(total=total_turns, desc="regenerate", unit="answer")
     start = time.time()
+    refused, answered = stats["refused"], [0]
+
+    def refuse(row: dict, turn: int, reason: str) -> None:
+        """Leave conversation ``row`` out (on_error=skip), or stop the run naming the fix."""
+        if on_error != "skip":
+            raise RegenError(f"conversation {row['key']}: {reason}. Set data.on_error=skip to leave out and count "
+                             "the conversations the server or the template refuses")
+        with lock:
+            refused[row["key"]] = reason
+            bar.update(len(row["users"]) - turn)
+            if len(refused) >= 10 and len(refused) > answered[0]:
+                raise RegenError(f"the server refused {len(refused)} requests and answered {answered[0]}; the last: "
+                                 f"{reason}")
 
     def converse(row: dict, f) -> None:
         for turn in range(_answered(row), len(row["users"])):
             if stop.is_set():
                 return
             with lock:
-                ids = prompt_ids(tokenizer, row["messages"] + [row["users"][turn]])
-                if cut_at_length(row, ids, limit):
+                try:
+                    ids = prompt_ids(tokenizer, row["messages"] + [row["users"][turn]])
+                except Exception as e:  # the template refuses it (jinja's raise_exception, ...)
+                    ids, reason = None, f"the chat template cannot render it: {e}"
+                if ids is not None and cut_at_length(row, ids, limit):
                     f.write(cache_line(row))
                     f.flush()
                     bar.update(len(row["users"]) - turn)
                     return
-            choice = client.complete(ids, eos, request_seed(rcfg.seed, row["key"], turn),
-                                     answer_room(len(ids), rcfg.max_new_tokens, max_length), rcfg.temperature,
-                                     rcfg.top_p, rcfg.top_k)
+            if ids is None:
+                return refuse(row, turn, reason)
+            try:
+                choice = client.complete(ids, eos, request_seed(rcfg.seed, row["key"], turn),
+                                         answer_room(len(ids), rcfg.max_new_tokens, max_length), rcfg.temperature,
+                                         rcfg.top_p, rcfg.top_k)
+            except RequestRefused as e:
+                return refuse(row, turn, str(e))
             with lock:
                 message, n, hit_eos = client.answer(choice, tokenizer, eos)
                 add_answer(row, message, n, hit_eos, len(ids), rcfg.max_new_tokens, max_length)
                 stats["new_tokens"] += n
+                answered[0] += 1
                 f.write(cache_line(row))
                 f.flush()
                 bar.update(1)
             os.fsync(f.fileno())   # outside the lock: 10-50 ms on a network filesystem held every thread up
+
+    def halt() -> None:
+        stop.set()
+        client.halt.set()  # no retry waits out its back-off, or starts
+        for j in jobs:
+            j.cancel()
 
     errors = []
     with appending(path) as f, futures.ThreadPoolExecutor(max_workers=client.concurrency) as pool:
@@ -519,13 +587,9 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
             for job in futures.as_completed(jobs):
                 if not job.cancelled() and job.exception() is not None and not errors:
                     errors.append(job.exception())
-                    stop.set()
-                    for j in jobs:
-                        j.cancel()
-        except BaseException:  # Ctrl-C: no new turn starts; the ones in flight end within timeout_s
-            stop.set()
-            for j in jobs:
-                j.cancel()
+                    halt()
+        except BaseException:  # Ctrl-C: no new turn starts, no retry; the requests in flight end within timeout_s
+            halt()
             raise
     bar.close()
     stats["seconds"] = round(time.time() - start, 1)
@@ -534,6 +598,9 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
         written = sum(1 for r in read_cache(path).values() if r.get("complete"))
         raise RegenError(f"regeneration through {client.base} failed: {errors[0]}. {written} complete "
                          f"conversations are kept in {path}; rerun to resume") from errors[0]
+    if refused:
+        log(f"[data] left out {len(refused)} conversations the server or the template refused (data.on_error=skip; "
+            f"a rerun asks them again); the first: {next(iter(refused.values()))}")
     log(f"[data] regenerated {stats['new_tokens']} tokens in {stats['seconds']} s ({stats['tokens_per_s']} tok/s)")
     return stats
 
@@ -549,6 +616,23 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` has a member that is not a zombie (a dead process its parent has not reaped,
+    as an orphan's new parent in a container without an init may never do). Linux: from /proc."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):
+            continue
+        if int(pgrp) == pgid and state != "Z":
+            return True
+    return False
 
 
 def _tail(path: Path, lines: int = 25) -> str:
@@ -714,7 +798,7 @@ class VLLMServer:
                 raise RegenError(f"the vLLM server exited with status {code} before it was ready; log "
                                  f"{self.log_file}, last lines:\n{_tail(self.log_file)}")
             try:
-                with urllib.request.urlopen(health, timeout=5) as resp:
+                with _opener(health).open(health, timeout=5) as resp:
                     if resp.status == 200:
                         log(f"[data] vLLM ready on {self.url}")
                         return
@@ -725,18 +809,23 @@ class VLLMServer:
                          f"{self.vcfg.startup_timeout_s} s; log {self.log_file}, last lines:\n{_tail(self.log_file)}")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM to the server's whole process group, then SIGKILL to what is left after 30 s: also when the API
+        server itself has exited already (crashed, OOM-killed), since an engine core or worker outliving it would
+        hold the GPUs' memory from the next stage or run."""
+        if self.proc is None:
             return
-        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 return
-            try:
-                self.proc.wait(wait)
+            deadline = time.monotonic() + wait
+            while self.proc.poll() is None or group_alive(self.proc.pid):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            else:
                 return
-            except subprocess.TimeoutExpired:
-                continue
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -241,6 +241,10 @@ def run(cfg: DictConfig) -> dict:
     if dcfg.regenerate:
         regen_stats["file"] = str(path)
         keys = [prompt_key(with_system(conv["messages"], dcfg.system_prompt)) for conv in convs]
+        if refused := regen_stats.pop("refused", None):  # data.on_error=skip: left out, counted
+            kept = [i for i, k in enumerate(keys) if k not in refused]
+            counts["dropped_refused_in_regeneration"] += len(keys) - len(kept)
+            convs, keys = [convs[i] for i in kept], [keys[i] for i in kept]
         cached = read_cache(path, set(keys))  # the cache holds every run's answers of this target and setting
         if missing := next((k for k in keys if k not in cached), None):
             raise RegenError(f"the answer to conversation {missing} is missing from {path} (a torn line?); "

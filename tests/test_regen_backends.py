@@ -40,14 +40,16 @@ class Stub:
     request's answer ends with finish_reason "abort" (a server stopping). Answers carry their token ids and their
     text, ``text(ids)``; ``text_only``: the text alone (a server without return_token_ids). ``answer(body)``: (new
     ids, hit_eos) instead of the model's generation. ``most_in_flight``: the most requests it held at once;
-    ``arrived``: when each request came (time.monotonic)."""
+    ``arrived``: when each request came (time.monotonic); ``status(body, n)``: an HTTP error code for the n-th request
+    (None: answered)."""
 
     def __init__(self, model, pad_id: int, text: Callable[[list[int]], str],
                  fail_after: int | None = None, delay_s: float | Callable[[dict], float] = 0.0,
                  max_model_len: int | None = None,
                  abort: int | None = None, text_only: bool = False,
-                 answer: Callable[[dict], tuple[list[int], bool]] | None = None):
-        self.model, self.pad_id, self.text, self.text_only = model, pad_id, text, text_only
+                 answer: Callable[[dict], tuple[list[int], bool]] | None = None,
+                 status: Callable[[dict, int], int | None] = lambda body, n: None):
+        self.model, self.pad_id, self.text, self.text_only, self.status = model, pad_id, text, text_only, status
         self.fail_after, self.delay_s, self.max_model_len, self.abort = fail_after, delay_s, max_model_len, abort
         self.answer = answer or self.generate
         self.requests: list[dict] = []
@@ -80,6 +82,8 @@ class Stub:
                     n = len(stub.requests)
                     if stub.fail_after is not None and n > stub.fail_after:
                         return self.reply(500, "boom: the engine died")
+                    if code := stub.status(body, n):
+                        return self.reply(code, f"HTTP {code} for this request")
                     if stub.max_model_len and len(body["prompt"]) + body["max_tokens"] > stub.max_model_len:
                         return self.reply(400, "Requested token count exceeds the model's maximum context length")
                     new, hit_eos = stub.answer(body)
@@ -195,15 +199,120 @@ def test_openai_backend_failure_keeps_answers_and_resumes(tiny, reference, tmp_p
 
 
 def test_openai_backend_timeout(tiny, tmp_path):
+    """A request that timed out is retried once, whatever data.regen.retries allows: a hung server is named after
+    2 x timeout_s, not 9 x."""
     _, tok, rcfg, eos = tiny
     stub = stub_for(tiny, delay_s=1.5)
     try:
         with pytest.raises(RegenError, match=r"no answer from .*/completions within data.regen.timeout_s=0.3 s "
                                              r"\(after 2 tries\)"):
             regenerate_openai(CONVS[:2], tok, rcfg, None, tmp_path / "c.jsonl",
-                              OpenAIClient(stub.url, None, 0.3, 1, backoff_s=0.05), eos)
+                              OpenAIClient(stub.url, None, 0.3, 5, backoff_s=0.05), eos)
     finally:
         stub.close()
+
+
+def refusing(tok, text: str) -> Callable[[dict, int], int | None]:
+    """A stub ``status``: HTTP 400 for the prompt of user turn ``text`` (alone in its conversation)."""
+    bad = prompt_ids(tok, [{"role": "user", "content": text}])
+    return lambda body, n: 400 if body["prompt"] == bad else None
+
+
+def test_a_conversation_the_server_refuses_is_left_out_under_skip(tiny, reference, tmp_path):
+    """One request the server refuses (HTTP 400) stops the run by default, naming data.on_error=skip; with skip
+    the conversation is left out and named, the others are written, and a rerun asks the refused one again."""
+    _, tok, rcfg, eos = tiny
+    path = tmp_path / "c.jsonl"
+    stub = stub_for(tiny, status=refusing(tok, "question 2"))
+    try:
+        with pytest.raises(RegenError, match=r"HTTP 400 .*Set data.on_error=skip to leave out and count"):
+            regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "raise.jsonl",
+                              OpenAIClient(stub.url, None, 30, 3, 1, backoff_s=0.05), eos)
+        assert sum(r["prompt"] == prompt_ids(tok, [CONVS[2]["messages"][0]]) for r in stub.requests) == 1  # not retried
+        stats = regenerate_openai(CONVS, tok, rcfg, None, path, OpenAIClient(stub.url, None, 30, 3, 3), eos,
+                                  on_error="skip")
+    finally:
+        stub.close()
+    key = next(k for k in reference if k not in read_cache(path))
+    assert list(stats["refused"]) == [key] and "HTTP 400" in stats["refused"][key]
+    assert read_cache(path) == {k: r for k, r in reference.items() if k != key}
+    stub = stub_for(tiny)
+    try:
+        stats = regenerate_openai(CONVS, tok, rcfg, None, path, OpenAIClient(stub.url, None, 30, 0, 3), eos)
+    finally:
+        stub.close()
+    assert len(stub.requests) == 1 and not stats["refused"] and read_cache(path) == reference
+
+
+def test_a_server_refusing_more_than_it_answers_stops_the_run(tiny, tmp_path):
+    """on_error=skip leaves out single refusals, not a server (or settings) that refuses everything."""
+    _, tok, rcfg, eos = tiny
+    convs = [{"messages": [{"role": "user", "content": f"q {i}"}]} for i in range(30)]
+    stub = stub_for(tiny, status=lambda body, n: 404)
+    try:
+        with pytest.raises(RegenError, match=r"the server refused \d+ requests and answered 0; the last: HTTP 404"):
+            regenerate_openai(convs, tok, rcfg, None, tmp_path / "c.jsonl", OpenAIClient(stub.url, None, 30, 0, 1),
+                              eos, on_error="skip")
+    finally:
+        stub.close()
+    assert 10 <= len(stub.requests) < 30
+
+
+def test_a_server_down_for_a_while_is_retried_and_said_so(tiny, reference, tmp_path, caplog):
+    """HTTP 503 for the first requests (a restarting engine, a load balancer): retried with back-off, logged."""
+    _, tok, rcfg, eos = tiny
+    stub = stub_for(tiny, status=lambda body, n: 503 if n <= 4 else None)
+    try:
+        with caplog.at_level("INFO", logger="specheads"):
+            regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl",
+                              OpenAIClient(stub.url, None, 30, 4, 1, backoff_s=0.05), eos)
+    finally:
+        stub.close()
+    assert read_cache(tmp_path / "c.jsonl") == reference
+    assert [r.message for r in caplog.records if "retrying requests" in r.message][0].endswith("HTTP 503 for this request")
+
+
+def test_a_failure_ends_the_other_requests_back_off(tiny, tmp_path):
+    """Once the run fails, requests waiting out a back-off after a 503 stop at once instead of retrying on."""
+    _, tok, rcfg, eos = tiny
+    bad = refusing(tok, "question 1")
+    stub = stub_for(tiny, status=lambda body, n: bad(body, n) or (503 if n <= 3 else None),
+                    delay_s=lambda body: 0.5 if bad(body, 0) else 0.0)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RegenError, match="HTTP 400"):   # 3 requests in back-off of 5-10 s, then 10-20 s
+            regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl",
+                              OpenAIClient(stub.url, None, 30, 3, 4, backoff_s=10.0), eos)
+    finally:
+        stub.close()
+    assert time.monotonic() - start < 5.0
+
+
+def test_a_proxy_of_the_environment_is_not_used_for_this_machine(tiny, reference, tmp_path, monkeypatch):
+    """A cluster's http_proxy (set for the Hub) must not receive the requests to a server on 127.0.0.1."""
+    _, tok, rcfg, eos = tiny
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")   # nothing listens there
+    stub = stub_for(tiny)
+    try:
+        regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl", OpenAIClient(stub.url, None, 30, 0, 3), eos)
+    finally:
+        stub.close()
+    assert read_cache(tmp_path / "c.jsonl") == reference
+
+
+def test_stopping_the_server_ends_its_group_after_the_leader_died(tmp_path):
+    """The API server exited (crashed), an engine process of its group lives on holding the GPUs: stop() ends it."""
+    from data.engines import group_alive
+
+    server = VLLMServer.__new__(VLLMServer)   # the process handling alone: no config needed
+    server.proc = subprocess.Popen(["sh", "-c", f"sleep 300 & echo $! > {tmp_path / 'pid'}"], start_new_session=True)
+    server.proc.wait()
+    assert group_alive(server.proc.pid)   # the sleep: its group's last member
+    server.stop()
+    assert not group_alive(server.proc.pid)
 
 
 def test_data_stage_with_openai_backend_equals_hf(tiny, tmp_path):
@@ -227,6 +336,26 @@ def test_data_stage_with_openai_backend_equals_hf(tiny, tmp_path):
         assert hf[split]["input_ids"] == oa[split]["input_ids"]
     stats = json.loads((stage_dir(cfgs[1], "data") / "stats.json").read_text())["regeneration"]
     assert stats["backend"] == "openai" and stats["generated"] == 6
+
+
+def test_the_data_stage_counts_the_conversations_the_server_refused(tiny, tmp_path):
+    """data.on_error=skip through the whole data stage: the refused conversation is not in the dataset, and counted."""
+    import datasets
+
+    from train.stages import run_stages, stage_dir
+
+    stub = stub_for(tiny, status=lambda body, n: 400 if n == 1 else None)
+    try:
+        cfg = make_cfg(["model=tiny-llama", "stages=[data]", "data.sources=[{type:builtin,limit:6}]",
+                        "data.regen.max_new_tokens=12", "head.draft_vocab_size=64", f"output_root={tmp_path}",
+                        "data.regen.backend=openai", f"data.regen.url={stub.url}", "data.on_error=skip"])
+        run_stages(cfg)
+    finally:
+        stub.close()
+    stats = json.loads((stage_dir(cfg, "data") / "stats.json").read_text())
+    ds = datasets.load_from_disk(str(stage_dir(cfg, "data") / "dataset"))
+    assert stats["dropped"]["dropped_refused_in_regeneration"] == 1
+    assert sum(len(ds[s]) for s in ds) == 5
 
 
 def both_backends(tiny, rcfg, max_length: int, hf: Path, oa: Path) -> Stub:
