@@ -353,7 +353,9 @@ REPORT = {"device": "cpu", "dtype": "float32", "results": [
     {"dataset": "builtin", "category": "all", "method": "plain", "temperature": 0.0, "tau": 1.0,
      "tokens_per_s": 5.0, "plain_tokens_per_s": 5.0, "speedup": 1.0},
     {"dataset": "humaneval", "category": "all", "method": "eagle3-tree", "temperature": 0.0, "tau": 3.0,
-     "tokens_per_s": 12.0, "plain_tokens_per_s": 5.0, "speedup": 2.4}],
+     "tokens_per_s": 12.0, "plain_tokens_per_s": 5.0, "speedup": 2.4},
+    {"dataset": "humaneval", "category": "all", "method": "eagle3+ngram-tree", "temperature": 0.0, "tau": 3.4,
+     "tokens_per_s": 14.0, "plain_tokens_per_s": 5.0, "speedup": 2.8}],
     "recommendations": [
         {"dataset": "builtin", "category": "all", "temperature": 0.0, "method": "eagle3-tree", "speedup": 2.0, "tau": 2.5},
         {"dataset": "humaneval", "category": "all", "temperature": 0.0, "method": None, "speedup": 2.4, "tau": 3.0}]}
@@ -379,7 +381,7 @@ def export_with_report(cfg_factory, *overrides, vllm_check: dict | None = None):
 def test_cards_leave_out_measurements_of_an_earlier_head(cfg_factory):
     """After a retraining, the eval report and the vLLM check of the head before are not this head's figures:
     the cards leave them out (they carried them while they were current)."""
-    check = {"engine": "vllm 0.32.0", "dtype": "float32", "ngram": {"tau": 2.49, "tokens_per_pass": 1.26},
+    check = {"engine": "vllm 0.32.0", "dtype": "float32", "ok": True, "ngram": {"tau": 2.49, "tokens_per_pass": 1.26},
              "exports": {"vllm": {"folder": "/x/export/vllm", "k": 3, "vllm": {"tau": 2.31, "tokens_per_pass": 2.32}}}}
     cfg = export_with_report(cfg_factory, vllm_check=check)
     card = (stage_dir(cfg, "export") / "vllm" / "README.md").read_text()
@@ -412,18 +414,21 @@ def test_serve_commands_render_the_template_as_trained(cfg_factory, thinking, fl
 
 def test_card_headline_is_this_heads_own_lossless_method():
     """The model-index's headline figures came from the recommended method whatever it was (n-gram, when it won) or,
-    without one, from the fastest of every method (one with real mismatches too): they are this head's."""
+    without one, from the fastest of every method (one with real mismatches too, or a head + n-gram hybrid): they are
+    this head's alone, and their names say that the specheads decoder measured them with which method."""
     def row(method, tau, speedup, mismatches=0):
         return {"dataset": "builtin", "temperature": 0.0, "category": "all", "method": method, "tau": tau,
                 "speedup": speedup, "mismatches": mismatches}
 
     results = [row("plain", 1.0, 1.0), row("ngram", 1.5, 1.4), row("eagle3-tree", 2.0, 1.5, mismatches=2),
                row("eagle3+ngram-tree", 1.9, 1.3), row("eagle3-chain", 1.7, 1.2)]
-    for recommended in ("ngram", None):
+    # Nor a hybrid's (head + n-gram drafts, recommended or fastest): the headline is the head alone, here its chain.
+    for recommended in ("ngram", None, "eagle3+ngram-tree"):
         recs = [{"dataset": "builtin", "temperature": 0.0, "category": "all", "method": recommended}] if recommended else []
         out = card_results("vllm", {"results": results, "recommendations": recs}, None, "eagle3-chain")
-        assert {(m["metric"], m["value"]) for m in out} == {
-            ("acceptance_length", 1.9), ("speedup", 1.3), ("chain_acceptance_length", 1.7), ("chain_speedup", 1.2)}
+        assert {(m["metric"], m["value"]) for m in out} == {("acceptance_length", 1.7), ("speedup", 1.2)}
+        speedup = next(m["name"] for m in out if m["metric"] == "speedup")
+        assert "eagle3-chain" in speedup and "specheads decoder" in speedup   # our decoder's figure, not vLLM's
 
 
 def test_export_removes_an_earlier_exports_other_formats(eagle_export):
@@ -454,7 +459,7 @@ def assert_portable(cfg, folder):
 def test_cards_carry_hub_metadata_and_no_local_path(cfg_factory):
     from huggingface_hub import ModelCard
 
-    check = {"engine": "vllm 0.32.0", "dtype": "float32", "ngram": {"tau": 2.49, "tokens_per_pass": 1.26},
+    check = {"engine": "vllm 0.32.0", "dtype": "float32", "ok": True, "ngram": {"tau": 2.49, "tokens_per_pass": 1.26},
              "exports": {"vllm": {"folder": "/somewhere/export/vllm", "k": 3,
                                   "vllm": {"tau": 2.31, "tokens_per_pass": 2.32}}}}
     cfg = export_with_report(cfg_factory, "model.hub_id=HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -473,7 +478,8 @@ def test_cards_carry_hub_metadata_and_no_local_path(cfg_factory):
         assert metrics["builtin", "acceptance_length"].metric_value == 2.5
         assert metrics["builtin", "speedup"].metric_value == 2.0
         assert "eagle3-tree" in metrics["builtin", "speedup"].metric_name
-        assert metrics["humaneval", "speedup"].metric_value == 2.4
+        assert metrics["humaneval", "speedup"].metric_value == 2.4   # the tree: the faster hybrid is not the head's
+        assert "specheads decoder" in metrics["humaneval", "speedup"].metric_name
         # what the engines run (one drafted path) beside the recommended method, where it was measured
         assert metrics["builtin", "chain_acceptance_length"].metric_value == 2.2
         assert "eagle3-chain: what the engines run" in metrics["builtin", "chain_speedup"].metric_name
@@ -481,6 +487,7 @@ def test_cards_carry_hub_metadata_and_no_local_path(cfg_factory):
         vllm_tau = [r for r in card.data.eval_results if r.metric_name.startswith("tau in vllm")]
         assert [r.metric_value for r in vllm_tau] == ([] if fmt == "speculators" else [2.31])
         text = (folder / "README.md").read_text()
+        assert "| humaneval | eagle3+ngram-tree (hybrid: head + n-gram) | 0.0 | 3.40 |" in text
         # the n-gram comparison per target pass, for the exports the check measured (sglang: vLLM's weights)
         assert ("2.32 tokens with this head, 1.26 with vLLM's n-gram" in text) == (fmt != "speculators")
         # The draft's location: the publish repo for the published folder (vllm), a placeholder elsewhere.
@@ -531,7 +538,7 @@ def test_publish_fills_the_placeholder_repo_in_the_uploaded_card(cfg_factory):
     folder = stage_dir(cfg, "export") / "vllm"
     assert "<your-hf-user>/tiny-llama-eagle3-vllm" in (folder / "README.md").read_text()
     assert "tau in vllm" not in (folder / "README.md").read_text()
-    check = {"train_output": "test", "engine": "vllm 0.32.0", "dtype": "float32",
+    check = {"train_output": "test", "engine": "vllm 0.32.0", "dtype": "float32", "ok": True,
              "ngram": {"tau": 2.49, "tokens_per_pass": 1.26},
              "exports": {"vllm": {"folder": "/x/export/vllm", "k": 3, "vllm": {"tau": 2.31, "tokens_per_pass": 2.32}}}}
     (stage_dir(cfg, "export") / "vllm_check.json").write_text(json.dumps(check))   # scripts/vllm_check.py, later
@@ -539,6 +546,68 @@ def test_publish_fills_the_placeholder_repo_in_the_uploaded_card(cfg_factory):
     card = run_stages(cfg)["publish"]["outputs"]["card"]
     assert '"model": "someone/tiny-eagle3"' in card and "<your-hf-user>" not in card and "is a placeholder" not in card
     assert "tau in vllm 0.32.0 (k=3" in card and "2.32 tokens with this head, 1.26 with vLLM's n-gram" in card
+
+
+def test_a_failed_vllm_check_gives_no_figures_and_says_why(cfg_factory, caplog):
+    """scripts/vllm_check.py writes its report when the check fails too: the card of an export it failed gives none
+    of vLLM's figures for it, says why it failed instead of "ran in vLLM", and publish warns; an export it passed in
+    the same report keeps its figures (per-export verdicts)."""
+    check = {"engine": "vllm 0.32.0", "dtype": "float32", "ok": False,
+             "ngram": {"tau": 2.49, "tokens_per_pass": 1.26, "identical_to_no_spec": True},
+             "exports": {"vllm": {"folder": "/x/export/vllm", "k": 3, "ok": False,
+                                  "vllm": {"tau": 1.02, "tokens_per_pass": 1.02, "identical_to_no_spec": True},
+                                  "aux_layers": {"exported": [1, 2, 3], "vllm": [2, 15, 27], "match": False},
+                                  "ours": {"tau": 2.3}, "tau_within_tolerance": False},
+                         "speculators": {"folder": "/x/export/speculators", "k": 3, "ok": True,
+                                         "vllm": {"tau": 2.31, "tokens_per_pass": 2.32, "identical_to_no_spec": True},
+                                         "aux_layers": {"exported": [1, 2, 3], "vllm": [1, 2, 3], "match": True},
+                                         "ours": {"tau": 2.3}, "tau_within_tolerance": True}}}
+    cfg = export_with_report(cfg_factory, vllm_check=check)
+    why = ("The vLLM check of this export failed: vLLM tapped target layers [2, 15, 27], not the exported [1, 2, 3]; "
+           "vLLM's acceptance length differs from this project's decoder's by more than the check's tolerance")
+    for fmt in ("vllm", "sglang"):   # sglang: the vllm export's weights
+        card = (stage_dir(cfg, "export") / fmt / "README.md").read_text()
+        assert why in card and "1.02" not in card
+        assert "tau in vllm" not in card and "tokens with this head" not in card and "ran in vLLM" not in card
+    assert "This export failed its vLLM check" in (stage_dir(cfg, "export") / "vllm" / "README.md").read_text()
+    card = (stage_dir(cfg, "export") / "speculators" / "README.md").read_text()
+    assert "tau in vllm 0.32.0" in card and "This export ran in vLLM" in card and "check of this export failed" not in card
+    with caplog.at_level("INFO", logger="specheads"):
+        card = run_stages(OmegaConf.merge(cfg, {"stages": ["publish"], "publish": {
+            "repo_id": "someone/tiny-eagle3", "dry_run": True}}))["publish"]["outputs"]["card"]
+    assert why in card and "tau in vllm" not in card
+    assert any(r.message.startswith("[publish] warning: scripts/vllm_check.py failed this export") for r in caplog.records)
+
+
+def test_vllm_check_verdicts_per_export_else_the_reports():
+    """A report from before per-export verdicts: the report's ``ok`` decides for each export; an engine error is
+    named as such, not as a tau."""
+    from train.export import passed_export, vllm_failure
+
+    entry = {"vllm": {"tau": 2.0, "identical_to_no_spec": True}, "aux_layers": {"match": True}, "tau_within_tolerance": True}
+    assert passed_export("vllm", {"ok": True, "exports": {"vllm": entry}}) == entry
+    assert vllm_failure("vllm", {"ok": True, "exports": {"vllm": entry}}) is None
+    failed = {"ok": False, "exports": {"vllm": entry}}
+    assert passed_export("vllm", failed) is None and passed_export("medusa", failed) is None
+    assert vllm_failure("vllm", failed) == "the check as a whole failed (vLLM's n-gram run or another export)"
+    error = {"ok": False, "exports": {"vllm": {"ok": False, "aux_layers": {"match": False}, "tau_within_tolerance": False,
+                                               "vllm": {"identical_to_no_spec": False, "error": "Traceback ..."}}}}
+    assert vllm_failure("sglang", error) == "vLLM could not load or run it"
+
+
+def test_a_torn_vllm_check_report_is_ignored(cfg_factory, caplog):
+    """A check interrupted while writing its report left a torn file: export and publish leave it out, saying so,
+    instead of failing with a JSONDecodeError."""
+    cfg = export_with_report(cfg_factory)
+    torn = json.dumps({"train_output": "test", "ok": True, "exports": {"vllm": {"vllm": {"tau": 2.31}}}})[:40]
+    (stage_dir(cfg, "export") / "vllm_check.json").write_text(torn)
+    with caplog.at_level("INFO", logger="specheads"):
+        run_stages(OmegaConf.merge(cfg, {"force": ["export"]}))
+        card = run_stages(OmegaConf.merge(cfg, {"stages": ["publish"], "publish": {
+            "repo_id": "someone/tiny-eagle3", "dry_run": True}}))["publish"]["outputs"]["card"]
+    assert "This export itself has not been run in an engine" in card and "tau in vllm" not in card
+    assert "This export itself has not been run in an engine" in (stage_dir(cfg, "export") / "vllm" / "README.md").read_text()
+    assert len([r for r in caplog.records if "vllm_check.json does not parse" in r.message]) == 2   # export, publish
 
 
 def test_publish_refuses_an_export_of_another_head(cfg_factory):
@@ -583,7 +652,7 @@ def test_publish_refuses_a_medusa_repo_vllm_takes_for_another_method(medusa_expo
         run_stages(cfg)
 
 
-def test_a_llama_targets_export_carries_its_license_terms(cfg_factory, tmp_path):
+def test_a_llama_targets_export_carries_its_license_terms(cfg_factory, tmp_path, caplog):
     """The Llama 3.1 license asks a redistribution for a copy of the agreement, "Built with Llama", and "Llama" first
     in the name of a model Llama's outputs trained: each export folder gets the target's LICENSE and USE_POLICY.md,
     the card both lines, and publish sends them."""
@@ -599,7 +668,10 @@ def test_a_llama_targets_export_carries_its_license_terms(cfg_factory, tmp_path)
                       "model.hub_id=meta-llama/Llama-3.1-8B-Instruct")
     head = tiny_eagle3(load_target(cfg), dv=64)
     fake_trained(cfg, head)
-    run_stages(cfg)
+    with caplog.at_level("INFO", logger="specheads"):
+        run_stages(cfg)
+    # a local target named by a Hub id: right for a copy, wrong for a fine-tune (engines would serve the base model)
+    assert any("for a fine-tune set model.hub_id to its own repo" in r.message for r in caplog.records)
     for fmt in ("vllm", "speculators", "sglang"):
         folder = stage_dir(cfg, "export") / fmt
         assert (folder / "LICENSE").read_text().startswith("LLAMA 3.1") and (folder / "USE_POLICY.md").exists()
@@ -610,6 +682,11 @@ def test_a_llama_targets_export_carries_its_license_terms(cfg_factory, tmp_path)
                                                                        "dry_run": True}})
     sent = [f["path"] for f in run_stages(publish)["publish"]["outputs"]["files"]]
     assert sorted(sent) == ["LICENSE", "README.md", "USE_POLICY.md", "config.json", "model.safetensors"]
+    # a target whose cache from_pretrained filled (weights and config, no LICENSE): publish refuses, naming the fix
+    (stage_dir(cfg, "export") / "vllm" / "LICENSE").unlink()
+    with pytest.raises(PublishError, match=r"holds no copy of the Llama 3.1 license.*hf download "
+                                           r"meta-llama/Llama-3.1-8B-Instruct LICENSE USE_POLICY.md --local-dir"):
+        run_stages(OmegaConf.merge(publish, {"publish": {"dry_run": False, "token": "hf_test"}}))
 
 
 def test_medusa_card_is_portable(medusa_export):

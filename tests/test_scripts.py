@@ -283,6 +283,30 @@ def test_vllm_check_counts_tokens_per_pass_over_every_pass():
     assert ngram["tau"] == 3.0 and ngram["tokens_per_pass"] == round(20 / 12, 4)   # 4 drafted + 8 plain passes
 
 
+def test_vllm_check_gives_each_export_its_own_verdict(tmp_path):
+    """One report per run directory holds every export of it: each gets its own ``ok`` (a model card gives vLLM's
+    figures of an export only when the check passed it), the report's is all of them and the n-gram run."""
+    sys.path.insert(0, str(SCRIPTS))
+    from vllm_check import NGRAM, NO_SPEC, Export, TargetCheck, reports
+
+    exports = []
+    for fmt in ("vllm", "speculators"):
+        (tmp_path / fmt).mkdir()
+        (tmp_path / fmt / "config.json").write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}))
+        exports.append(Export(tmp_path, fmt, tmp_path / fmt, 3))
+    tokens = [list(range(11))] * 2
+    run = {"tokens": tokens, "drafts": 10, "draft_tokens": 30, "accepted": 10, "accepted_per_pos": [6, 3, 1],
+           "aux_layers": [1, 2, 3], "tokens_per_s": 9.0, "startup_s": 1.0}
+    runs = {NO_SPEC: run, NGRAM: run, str(tmp_path / "vllm"): run,
+            str(tmp_path / "speculators"): {**run, "aux_layers": [2, 5, 8]}}   # vLLM's defaults: not what was trained
+    ours = {"tokens": tokens, "tau": 2.0}
+    check = TargetCheck("t", [[1, 2]], exports, {"vllm_version": "0.32.0", "runs": runs}, [ours, ours], tmp_path / "log")
+    args = types.SimpleNamespace(dtype="float32", k=3, max_tokens=10, tau_tolerance=0.1)
+    report = reports(check, args)[tmp_path]
+    assert report["exports"]["vllm"]["ok"] is True and report["exports"]["speculators"]["ok"] is False
+    assert report["ok"] is False
+
+
 def test_vllm_check_runs_our_decoder_after_the_engine_where_both_copies_do_not_fit(monkeypatch, capsys):
     """Our decoder's float32 target beside the engine's: meanwhile where both fit in the host's available memory,
     after the engine where not (an 8B target: ~64 GB in float32, which killed the check on a 64 GB host)."""

@@ -315,19 +315,24 @@ def serve_commands(fmt: str, path: str, cfg: DictConfig) -> str:
     return f"vllm serve {path}{template}\n# or: {command}" if fmt == "speculators" else command
 
 
+def hybrid(method: str) -> bool:
+    """Whether eval method ``method`` drafts with the head and n-gram lookups together (e.g. ``eagle3+ngram-tree``)."""
+    return "+ngram" in method
+
+
 def card_results(fmt: str, report: dict | None, vllm_check: dict | None, chain: str) -> list[dict]:
     """Measured figures for the card's model-index: per dataset and temperature (all categories), tau and
-    speedup of the recommended method when it drafts with this head (else this head's fastest lossless method:
-    never n-gram's figures, nor a method that did not reproduce plain decoding) and of the ``chain`` method (what
-    the engines run: one drafted path of eval.chain_k tokens, e.g. ``eagle3-chain``) when it is another, and vLLM's
-    own tau for this export when scripts/vllm_check.py has checked it."""
+    speedup of the recommended method when it drafts with this head alone (else this head's fastest lossless
+    method: never n-gram's figures nor a hybrid's, nor a method that did not reproduce plain decoding) and of the
+    ``chain`` method (what the engines run: one drafted path of eval.chain_k tokens, e.g. ``eagle3-chain``) when it
+    is another, and vLLM's own tau for this export when scripts/vllm_check.py passed it."""
     out = []
     if report:
         recs = {(r["dataset"], r["temperature"]): r.get("method") for r in report.get("recommendations", [])
                 if r.get("category") == "all"}
-        head = chain.removesuffix("-chain")  # its methods: eagle3-tree, eagle3-chain, eagle3+ngram-tree, ...
+        head = chain.removesuffix("-chain")  # its methods: eagle3-tree, eagle3-chain (eagle3+ngram-tree: a hybrid)
         rows = [r for r in report.get("results", []) if r.get("category") == "all" and r["method"].startswith(head)
-                and r.get("tau") is not None and not r.get("mismatches")]
+                and not hybrid(r["method"]) and r.get("tau") is not None and not r.get("mismatches")]
         for key in dict.fromkeys((r["dataset"], r["temperature"]) for r in rows):
             mine = [r for r in rows if (r["dataset"], r["temperature"]) == key]
             best = next((r for r in mine if r["method"] == recs.get(key)), None) or max(mine, key=lambda r: r["speedup"])
@@ -340,9 +345,9 @@ def card_results(fmt: str, report: dict | None, vllm_check: dict | None, chain: 
                 out += [{"dataset": key[0], "metric": f"{kind}acceptance_length", "value": round(float(r["tau"]), 3),
                          "name": f"tau ({what}, specheads decoder, {where})"},
                         {"dataset": key[0], "metric": f"{kind}speedup", "value": round(float(r["speedup"]), 3),
-                         "name": f"speedup over plain decoding ({what}, {where})"}]
+                         "name": f"speedup over plain decoding ({what}, specheads decoder, {where})"}]
     if vllm_check:
-        x = checked_export(fmt, vllm_check)
+        x = passed_export(fmt, vllm_check)
         tau = (x or {}).get("vllm", {}).get("tau")
         if tau is not None:
             out.append({"dataset": "builtin", "metric": "vllm_acceptance_length", "value": round(float(tau), 3),
@@ -357,9 +362,41 @@ def checked_export(fmt: str, vllm_check: dict | None) -> dict | None:
     return exports.get(fmt) or (exports.get("vllm") if fmt == "sglang" else None)
 
 
+def check_passed(x: dict, vllm_check: dict) -> bool:
+    """scripts/vllm_check.py's verdict on export entry ``x``: its own, else (a report from before per-export
+    verdicts) the report's."""
+    return bool(x.get("ok", vllm_check.get("ok")))
+
+
+def passed_export(fmt: str, vllm_check: dict | None) -> dict | None:
+    """This export's entry in a scripts/vllm_check.py report when the check passed it: the only figures of it a card
+    gives."""
+    x = checked_export(fmt, vllm_check)
+    return x if x is not None and check_passed(x, vllm_check) else None
+
+
+def vllm_failure(fmt: str, vllm_check: dict | None) -> str | None:
+    """Why scripts/vllm_check.py failed this export, None when it passed it or did not check it."""
+    x = checked_export(fmt, vllm_check)
+    if x is None or check_passed(x, vllm_check):
+        return None
+    v, aux = x.get("vllm") or {}, x.get("aux_layers") or {}
+    if "error" in v:
+        return "vLLM could not load or run it"
+    reasons = [] if v.get("identical_to_no_spec") else ["vLLM's output with it differed from its output without "
+                                                         "speculation"]
+    if aux.get("match") is False:
+        reasons.append(f"vLLM tapped target layers {aux.get('vllm')}, not the exported {aux.get('exported')}")
+    if x.get("tau_within_tolerance") is False:
+        reasons.append("vLLM's acceptance length differs from this project's decoder's by more than the check's "
+                       "tolerance")
+    return "; ".join(reasons) or "the check as a whole failed (vLLM's n-gram run or another export)"
+
+
 def vs_ngram(fmt: str, vllm_check: dict | None) -> str | None:
-    """A sentence comparing this export with vLLM's n-gram drafter per target pass, when the check measured both."""
-    mine = ((checked_export(fmt, vllm_check) or {}).get("vllm") or {}).get("tokens_per_pass")
+    """A sentence comparing this export with vLLM's n-gram drafter per target pass, when the check passed it and
+    measured both."""
+    mine = ((passed_export(fmt, vllm_check) or {}).get("vllm") or {}).get("tokens_per_pass")
     ngram = (vllm_check or {}).get("ngram") or {}
     if not (mine and ngram.get("tokens_per_pass")):
         return None
@@ -440,7 +477,8 @@ def model_card(fmt: str, cfg: DictConfig, c: Eagle3Config | MedusaConfig, report
         lines += ["| dataset | method | temperature | tau | tokens/s | plain tokens/s | speedup |", "|---|---|---|---|---|---|---|"]
         for r in report.get("results", []):
             if r.get("category") == "all":
-                lines.append(f"| {r['dataset']} | {r['method']} | {r['temperature']} | {r['tau']:.2f} | "
+                method = f"{r['method']} (hybrid: head + n-gram)" if hybrid(r["method"]) else r["method"]
+                lines.append(f"| {r['dataset']} | {method} | {r['temperature']} | {r['tau']:.2f} | "
                              f"{r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
         lines.append(f"\nMeasured on {report.get('device')} ({report.get('dtype')}).")
     else:
@@ -449,12 +487,18 @@ def model_card(fmt: str, cfg: DictConfig, c: Eagle3Config | MedusaConfig, report
         lines.append("The model-index also holds vLLM's own acceptance length for this export (scripts/vllm_check.py).")
     if comparison := vs_ngram(fmt, vllm_check):
         lines.append(comparison)
+    if failure := vllm_failure(fmt, vllm_check):
+        lines.append(f"The vLLM check of this export failed: {failure}; see the report of scripts/vllm_check.py "
+                     "(`export/vllm_check.json` of the run). This card gives none of vLLM's figures for it.")
     engine = "sglang" if fmt == "sglang" else "vllm"
-    ran = engine == "vllm" and checked_export(fmt, vllm_check) is not None
-    lines += ["", "## Serving", "", f"This format was checked against: {ENGINES[engine]}. "
-              + ("This export ran in vLLM (scripts/vllm_check.py, above)." if ran else
-                 "This export itself has not been run in an engine" + (" (scripts/vllm_check.py runs it in vLLM)."
-                                                                     if engine == "vllm" else "."))]
+    if engine != "vllm" or checked_export(fmt, vllm_check) is None:
+        ran = "This export itself has not been run in an engine" + (" (scripts/vllm_check.py runs it in vLLM)."
+                                                                    if engine == "vllm" else ".")
+    elif failure:
+        ran = "This export failed its vLLM check (above)."
+    else:
+        ran = "This export ran in vLLM (scripts/vllm_check.py, above)."
+    lines += ["", "## Serving", "", f"This format was checked against: {ENGINES[engine]}. {ran}"]
     lines += [item for n in (draft_note, t_note) if n for item in ("", f"Note: {n}")]
     lines += ["", "```bash", serve_commands(fmt, draft, cfg), "```"]
     if fmt == "sglang" and 0 in c.aux_layers:
@@ -507,7 +551,13 @@ def measurements(cfg: DictConfig) -> tuple[dict | None, dict | None]:
             log(f"[export] {report_path} is out of date (an earlier head or eval config): left out of the model "
                 "cards; run stages=[eval,export] to measure this head")
     check_path = stage_dir(cfg, "export") / "vllm_check.json"   # written by scripts/vllm_check.py
-    check = json.loads(check_path.read_text()) if check_path.exists() else None
+    check = None
+    if check_path.exists():
+        try:
+            check = json.loads(check_path.read_text())
+        except json.JSONDecodeError:
+            log(f"[export] {check_path} does not parse (an interrupted check?): left out of the model cards; rerun "
+                "scripts/vllm_check.py")
     if check and check.get("train_output") != upstream_ids(cfg, "export")["train"]:
         log(f"[export] {check_path} checked an earlier head: left out of the model cards; rerun "
             "scripts/vllm_check.py, then force=[export]")
@@ -521,17 +571,20 @@ def train_summary(cfg: DictConfig) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def current_card(cfg: DictConfig, fmt: str) -> str:
-    """The card of export ``fmt`` from what is measured now: the publish stage uploads it, so that a
-    scripts/vllm_check.py run after the export (or a newer eval of the same head) is in the published card."""
+def current_card(cfg: DictConfig, fmt: str, report: dict | None, check: dict | None) -> str:
+    """The card of export ``fmt`` from what is measured now (:func:`measurements`): the publish stage uploads it, so
+    that a scripts/vllm_check.py run after the export (or a newer eval of the same head) is in the published card."""
     _, config = load_head_config(stage_dir(cfg, "train") / "head")
-    report, check = measurements(cfg)
     return model_card(fmt, cfg, config, report, train_summary(cfg), check)
 
 
 def run(cfg: DictConfig) -> dict:
     require(cfg, "train")
     check_card_config(cfg, ExportError)
+    if cfg.model.source == "hf" and cfg.model.path and cfg.model.hub_id:
+        log(f"[export] the cards and configs name the target {cfg.model.hub_id} (model.hub_id), which loaded from "
+            f"{cfg.model.path} (model.path): right for a copy of that repo; for a fine-tune set model.hub_id to its own "
+            "repo (or null), or an engine serves this head beside the base model, accepting little")
     out = stage_dir(cfg, "export")
     # The embedding (speculators format) and the config are all export needs of the target: an 8B target
     # is never loaded, its embedding is read from its files in the export dtype.

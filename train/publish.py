@@ -5,7 +5,8 @@ optimizer state. ``publish.dry_run=true`` lists exactly what would be sent and s
 missing token, a missing export, a malformed repo id or a local path in the card or config.json is an
 error before anything is sent. The uploaded model card is made again at publish time: it names
 ``publish.repo_id`` (the export's card names a placeholder when that was unset) and carries what is measured
-now (a scripts/vllm_check.py run after the export included). Into an existing repo: refused when it is public and
+now (a scripts/vllm_check.py run after the export included; an export that check failed is published with a
+warning, its card saying so). Into an existing repo: refused when it is public and
 ``publish.private`` is true; weight files of an earlier upload are deleted in the same commit.
 """
 
@@ -24,7 +25,9 @@ from train.export import (
     card_license,
     check_card_config,
     current_card,
+    measurements,
     portable,
+    vllm_failure,
     vllm_method_word,
 )
 from train.log import log
@@ -57,13 +60,13 @@ def local_paths(folder: Path, cfg: DictConfig) -> list[str]:
             and portable((folder / name).read_text(), cfg) != (folder / name).read_text()]
 
 
-def published_card(folder: Path, cfg: DictConfig, fmt: str) -> str | None:
-    """The card as uploaded (None: the folder has none): made again from what is measured now, naming
-    ``publish.repo_id`` as the draft's repo (the folder's card may name a placeholder, and lack a vLLM check
-    run after the export)."""
+def published_card(folder: Path, cfg: DictConfig, fmt: str, report: dict | None, check: dict | None) -> str | None:
+    """The card as uploaded (None: the folder has none): made again from what is measured now (``report``,
+    ``check``: :func:`measurements`), naming ``publish.repo_id`` as the draft's repo (the folder's card may name a
+    placeholder, and lack a vLLM check run after the export)."""
     if not (folder / "README.md").exists():
         return None
-    return current_card(OmegaConf.merge(cfg, {"publish": {"format": fmt}}), fmt)
+    return current_card(OmegaConf.merge(cfg, {"publish": {"format": fmt}}), fmt, report, check)
 
 
 def resolve_token(pcfg: DictConfig) -> str | None:
@@ -107,12 +110,23 @@ def run(cfg: DictConfig) -> dict:
     folder = stage_dir(cfg, "export") / fmt
     if not folder.is_dir():
         raise PublishError(f"no export folder {folder}; run the export stage with this format first")
+    if card_license(cfg) == "llama3.1" and not any((folder / n).exists() for n in LICENSE_FILES if n != "USE_POLICY.md"):
+        # the target's files hold no LICENSE where from_pretrained filled the cache (it fetches weights and config)
+        terms = (f"{folder} holds no copy of the Llama 3.1 license, which its terms ask to ship with what is built on "
+                 f"Llama's outputs: `hf download {cfg.model.hub_id} LICENSE USE_POLICY.md --local-dir {folder}`")
+        if not pcfg.dry_run:
+            raise PublishError(terms)
+        log(f"[publish] warning: {terms}")
     files = files_to_send(folder)
     leaks = local_paths(folder, cfg)
     if leaks:
         raise PublishError(f"{leaks} in {folder} name directories of this machine; rerun the export stage "
                            "(force=[export]) so that they name Hub ids only")
-    card = published_card(folder, cfg, fmt)
+    report, check = measurements(cfg)
+    if failure := vllm_failure(fmt, check):
+        log(f"[publish] warning: scripts/vllm_check.py failed this export ({failure}); the card says so. Fix the "
+            "export and rerun the check before publishing, unless you mean to publish it as it is")
+    card = published_card(folder, cfg, fmt, report, check)
     listing = [{"path": str(p.relative_to(folder)), "bytes": p.stat().st_size} for p in files]
     for item in listing:
         log(f"[publish] {'would send' if pcfg.dry_run else 'sending'} {item['path']} ({item['bytes']} bytes)")
