@@ -360,8 +360,13 @@ def durable_replace(tmp: Path, path: Path) -> None:
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """The entries of folder ``path`` (renames, new files) on disk."""
     try:
-        fd = os.open(path.parent, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
@@ -369,6 +374,16 @@ def durable_replace(tmp: Path, path: Path) -> None:
     except OSError as e:   # a filesystem that syncs no directory (EINVAL on some network filesystems): the file is
         if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES):   # synced, the rename as it may
             raise
+
+
+def fsync_tree(root: Path) -> None:
+    """Every file under ``root`` and every folder's entries on disk: before a pointer (a ``latest`` file, a rename)
+    names what a library wrote without fsync (DeepSpeed's checkpoints, safetensors' files)."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            with open(Path(folder) / name, "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(folder))
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -70,7 +70,7 @@ def worker_count(dcfg: DictConfig, n_rows: int, side_by_side: bool = False) -> i
     fork 8 x 32 workers; work rank 0 does alone (the others wait) gets them all."""
     if dcfg.get("num_proc") is not None:
         return max(1, int(dcfg.num_proc))
-    cores = (os.cpu_count() or 1) // (dist.local_world_size() if side_by_side else 1)
+    cores = dist.cpus() // (dist.local_world_size() if side_by_side else 1)
     return 1 if n_rows < POOL_MIN_ROWS else max(1, min(32, cores))
 
 

@@ -52,6 +52,7 @@ from eval.shared import (
 from eval.tree import choice_order, default_medusa_choices
 from eval.treesize import acceptance_curve, choose_total_tokens, draft_times, measure_verify_time
 from heads.io import head_type, load_head
+from train import dist
 from train.log import log, progress
 from train.stages import fingerprint, require, stage_dir, upstream_ids
 from train.target import (
@@ -183,7 +184,7 @@ class Fp32Scorer:
         device = scorer_device(self.target)
         if device.type == "cpu" and next(self.target.parameters()).device.type == "cuda":
             # a launcher's OMP_NUM_THREADS=1: minutes per 8B pass; the cores this rank may use, not the host's
-            torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+            torch.set_num_threads(dist.cpus())
         return self.target if self.target.dtype == torch.float32 else load_target(self.cfg, device, torch.float32)
 
     def error(self, ids: list[int], logits: torch.Tensor) -> torch.Tensor | None:

@@ -216,3 +216,62 @@ def test_rank_binding_refuses_a_gpu_nccl_would_not_use(monkeypatch, env, device,
         bound = dist.bind_device(torch.device(device))
         expected = torch.device(device) if torch.device(device).index is not None else torch.device("cuda", 3)
         assert bound == expected and made_current == [expected]
+
+
+SCHEDULER_ENVS = {  # what mpirun / srun give each process, and no RANK or WORLD_SIZE
+    "openmpi": {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
+    "mpich": {"PMI_SIZE": "4", "PMI_RANK": "3", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"},
+    "srun": {"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+             "SLURM_NTASKS": "4"},
+}
+
+
+@pytest.mark.parametrize("launcher", sorted(SCHEDULER_ENVS))
+def test_ranks_started_by_mpirun_or_srun_take_their_launchers_numbers(monkeypatch, launcher):
+    """mpirun and srun set no RANK/WORLD_SIZE: each process ran alone as rank 0 (all on cuda:0, one run directory).
+    Their own variables give the rank; without MASTER_ADDR/MASTER_PORT the run stops naming them."""
+    from train import dist
+
+    for name in (*dist.LAUNCHER_VARS, *(v for names in dist.SCHEDULERS.values() for v in names)):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in SCHEDULER_ENVS[launcher].items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UserError, match=r"4 processes started by .* without MASTER_ADDR and MASTER_PORT.*export both"):
+        dist.adopt_scheduler()
+    assert "WORLD_SIZE" not in os.environ
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    dist.adopt_scheduler()
+    assert (dist.world_size(), dist.rank(), dist.local_rank(), dist.local_world_size()) == (4, 3, 1, 2)
+
+
+def test_the_entry_point_reads_the_schedulers_ranks_first(tmp_path):
+    line = one_error_line(cli(tmp_path, "plan=true", env=SCHEDULER_ENVS["srun"]))
+    assert "4 processes started by srun (SLURM_STEP_NUM_TASKS=4) without MASTER_ADDR and MASTER_PORT" in line
+
+
+def test_a_batch_script_of_several_tasks_is_one_process(monkeypatch):
+    """sbatch --ntasks=8 running `python train/run.py` itself (no srun): Slurm's job variables alone say nothing of
+    ranks, and under deepspeed or torchrun (WORLD_SIZE set) nothing is touched."""
+    from train import dist
+
+    for name in (*dist.LAUNCHER_VARS, *(v for names in dist.SCHEDULERS.values() for v in names)):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    dist.adopt_scheduler()
+    assert "WORLD_SIZE" not in os.environ and dist.world_size() == 1
+    for name, value in {**SCHEDULER_ENVS["openmpi"], "WORLD_SIZE": "2", "RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    dist.adopt_scheduler()
+    assert (dist.world_size(), dist.rank()) == (2, 1)
+
+
+def test_threads_follow_the_cpus_this_process_may_use(monkeypatch):
+    """A Slurm or cgroup allocation of 4 CPUs on a 128-core host: 4, not 128."""
+    from train import dist
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert dist.cpus() == 4

@@ -219,6 +219,18 @@ def test_check_train_memory_refuses_when_short(cfg_factory, monkeypatch):
     planner.check_train_memory(cfg_factory("model=qwen2.5-7b", "device=cpu", "planner.enforce=false"), torch.device("cpu"))
 
 
+def test_every_rank_refuses_when_one_rank_is_short(cfg_factory, monkeypatch):
+    """Rank 1's GPU is half taken by another job: rank 0, with room, refuses too (alone, rank 1 refusing left the
+    others waiting in their next collective until the timeout)."""
+    from train import dist
+
+    cfg = cfg_factory("model=qwen2.5-7b", "device=cpu")
+    monkeypatch.setattr(planner.psutil, "virtual_memory", lambda: type("VM", (), {"available": 10**15})())
+    monkeypatch.setattr(dist, "all_gather_objects", lambda mine: [mine, GiB])
+    with pytest.raises(planner.MemoryShortError, match=r"1.00 GiB free on rank 1's cpu \(the least of 2\)"):
+        planner.check_train_memory(cfg, torch.device("cpu"))
+
+
 def test_peak_tensor_memory_counts_new_storages_only():
     before = torch.zeros(1000)
     with planner.peak_tensor_memory() as m:

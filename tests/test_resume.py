@@ -395,19 +395,49 @@ def test_a_save_cut_short_by_a_crash_never_outranks_the_checkpoint_latest_names(
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step0000006"]
 
 
-def test_a_checkpoint_deleted_by_hand_resumes_from_the_one_before(prepared, tmp_path, monkeypatch):
-    """`latest` names a tag that is gone: the run resumes from the newest checkpoint before it (complete: `latest`
-    named it before), not from scratch deleting every checkpoint."""
+@pytest.mark.parametrize("damage", ["deleted", "torn"])
+def test_a_checkpoint_deleted_by_hand_resumes_from_the_one_before(prepared, tmp_path, monkeypatch, damage):
+    """`latest` names a tag that is gone, or whose client.json a node crash left empty (saved before checkpoints
+    were fsynced): the run resumes from the newest checkpoint before it (complete: `latest` named it before), not
+    from scratch deleting every checkpoint, nor failing on every rerun."""
     base = ["stages=[train]", "train.checkpoint_every=2", "train.keep_checkpoints=3", "train.max_steps=6"]
     cfg = fresh_run(prepared, tmp_path, *base)
     run_stages(cfg)
     ckpt = stage_dir(cfg, "train") / "checkpoints"
-    shutil.rmtree(ckpt / "step0000006")
+    if damage == "deleted":
+        shutil.rmtree(ckpt / "step0000006")
+    else:
+        (ckpt / "step0000006" / "client.json").write_bytes(b"")
     lines = logged(monkeypatch)
     run_stages(make_cfg([*BASE, f"output_root={tmp_path}", *base, "train.eval_every=100"]))
     assert any("resuming from step0000004" in line for line in lines), lines
     assert not any("starting fresh" in line for line in lines)
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step0000002", "step0000004", "step0000006"]
+
+
+def test_checkpoints_and_the_best_head_are_on_disk_before_anything_names_them(prepared, tmp_path, monkeypatch):
+    """DeepSpeed and safetensors write without fsync: after a node crash `latest` (fsynced) could name a checkpoint
+    of empty files, and the renamed head be torn. Every file of each is fsynced before `latest` names it, or before
+    the head's folder is renamed into place."""
+    synced: list[str] = []
+    real = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    cfg = fresh_run(prepared, tmp_path, "stages=[train]", "train.checkpoint_every=2", "train.max_steps=4",
+                    "train.eval_every=2")
+    run_stages(cfg)
+    out = stage_dir(cfg, "train")
+    latest = [i for i, p in enumerate(synced) if Path(p).name.startswith("latest.")]
+    for tag, named in zip(("step0000002", "step0000004"), latest, strict=True):
+        files = {str(p) for p in (out / "checkpoints" / tag).rglob("*") if p.is_file()}
+        assert len(files) >= 2 and files <= set(synced[:named]), files - set(synced[:named])
+    head = {f"{out}/head.tmp/{p.name}" for p in (out / "head").iterdir()}
+    assert {"model.safetensors", "metrics.json", "head_config.json"} <= {Path(p).name for p in head}
+    assert head <= set(synced)
 
 
 def test_a_forgotten_data_override_is_refused_before_it_overwrites_what_the_checkpoints_were_made_on(prepared,

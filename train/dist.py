@@ -27,6 +27,37 @@ LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_
 SHM_OP = "deepspeed_shm_comm"
 
 
+# Launchers that start every process themselves (mpirun: OpenMPI, MPICH/Intel MPI; srun) and name it in their own
+# variables: (world size, rank, local rank, ranks on this node).
+SCHEDULERS = {"mpirun (OpenMPI)": ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                   "OMPI_COMM_WORLD_LOCAL_SIZE"),
+              "mpirun (MPICH, Intel MPI)": ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+              "srun": ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE")}
+
+
+def adopt_scheduler() -> None:
+    """Processes started by mpirun or srun (``deepspeed --launcher openmpi|mpich|slurm``, or directly) carry no
+    ``RANK``/``WORLD_SIZE``: each would run alone as rank 0, every one on cuda:0 and on the same run directory. Their
+    launcher's variables become ours, with ``MASTER_ADDR``/``MASTER_PORT`` as the user exports them (refused
+    without: no launcher of these sets them for torch). Nothing under deepspeed's own launcher or torchrun."""
+    if "WORLD_SIZE" in os.environ:
+        return
+    name = next((name for name, names in SCHEDULERS.items() if int(os.environ.get(names[0]) or 1) > 1), None)
+    if name is None:
+        return
+    size, rank_, local, local_size = SCHEDULERS[name]
+    n = os.environ[size]
+    if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        raise UserError(f"{n} processes started by {name} ({size}={n}) without MASTER_ADDR and MASTER_PORT, where "
+                        "rank 0 listens for the others: export both to every process (mpirun -x MASTER_ADDR=<first "
+                        "node> -x MASTER_PORT=29500; srun: export them in the batch script; deepspeed --launcher "
+                        "openmpi: put them in .deepspeed_env), or launch with deepspeed's default launcher or torchrun")
+    per_node = os.environ.get(local_size, "")
+    os.environ.update({"WORLD_SIZE": n, "RANK": os.environ[rank_], "LOCAL_RANK": os.environ.get(local, "0")})
+    if per_node[:1].isdigit():   # srun: "4(x2)" or "4,2"; this node's share is the first when nodes are alike
+        os.environ["LOCAL_WORLD_SIZE"] = per_node.split("(")[0].split(",")[0]
+
+
 def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -42,6 +73,11 @@ def local_rank() -> int:
 def local_world_size() -> int:
     """Ranks on this machine: torchrun says ``LOCAL_WORLD_SIZE``, DeepSpeed's launcher ``LOCAL_SIZE`` (neither: all of them)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size())
+
+
+def cpus() -> int:
+    """The CPUs this process may run on: its affinity (a Slurm or cgroup allocation), not the host's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def is_main() -> bool:

@@ -34,7 +34,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 
-from data.formats import write_atomic
+from data.formats import fsync_dir, fsync_tree, write_atomic
 from data.stage import load_dataset, row_lengths
 from data.vocab import build_vocab, coverage
 from heads.frozen import TargetWeights
@@ -424,7 +424,7 @@ def setup_process(cfg: DictConfig) -> tuple[torch.device, torch.dtype]:
     if tcfg.num_threads:
         torch.set_num_threads(tcfg.num_threads)
     elif dist.world_size() > 1:  # the node's cores shared by its ranks (GPU ranks build batches on them)
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // dist.local_world_size()))
+        torch.set_num_threads(max(1, dist.cpus() // dist.local_world_size()))
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     return device, dtype
@@ -537,7 +537,10 @@ class Trainer:
         self.device, self.dtype = setup_process(cfg)
         self.world, self.rank = dist.world_size(), dist.rank()
         self.latest = latest_checkpoint(self.ckpt_dir)  # rank 0's (tag, client.json) of the checkpoint to resume
-        self.fingerprint, self.identity = fingerprint(cfg, "train"), checkpoint_identity(cfg)
+        # rank 0's reading of the upstream markers (another rank's, through a network filesystem's stale cache,
+        # could decide the resume otherwise and leave the ranks apart in their next collective)
+        self.fingerprint, self.identity = dist.broadcast((fingerprint(cfg, "train"), checkpoint_identity(cfg))
+                                                         if dist.is_main() else None)
         # force=[train] starts over, but for the run it started itself, repeated after a crash: that one resumes
         self.force = "train" in cfg.force and not dist.broadcast(self.forced_resume() if dist.is_main() else None)
         try:
@@ -854,10 +857,12 @@ class Trainer:
             save_head(self.model, tmp)
             (tmp / "metrics.json").write_text(json.dumps({"step": self.state["step"], "run": self.state["run"],
                                                           **metrics}, indent=2))
+            fsync_tree(tmp)   # on disk before the renames: a node crash must not leave a torn head as the best
             if head.exists():
                 shutil.rmtree(old, ignore_errors=True)
                 head.rename(old)
             tmp.rename(head)
+            fsync_dir(self.out)
             shutil.rmtree(old, ignore_errors=True)
 
     def checkpoint(self) -> None:
@@ -876,7 +881,7 @@ class Trainer:
             # rank count maybe, would mix with this save's (a universal conversion counts the ranks by the files)
             shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
             (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
-            (ckpt_dir / tag / "client.json").write_text(json.dumps({
+            write_atomic(ckpt_dir / tag / "client.json", json.dumps({
                 "fingerprint": self.fingerprint, "world": self.world, "per_step": self.per_step, "step": state["step"],
                 "identity": self.identity, "dtype": str(self.dtype).removeprefix("torch.")}))
         state["train_s"] = time.time() - self.start
@@ -884,6 +889,7 @@ class Trainer:
                   "average": self.average.shadow if self.average else None}
         self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False,
                                     exclude_frozen_parameters=True)
+        fsync_tree(ckpt_dir / tag)  # DeepSpeed writes without fsync: after a node crash `latest` could name empty files
         dist.barrier()  # every rank's shards written: only now may `latest` name this tag (DeepSpeed's own `latest`
         if dist.is_main():  # is written by rank 0 before the other ranks have finished theirs)
             write_atomic(ckpt_dir / "latest", tag)
@@ -913,7 +919,7 @@ class Trainer:
         """Check that every rank ran the same steps, write ``summary.json`` and return the best head's figures."""
         state, out = self.state, self.out
         elapsed, own = time.time() - self.start, time.time() - self.run_start  # the whole run's / this process's
-        best = json.loads((out / "head" / "metrics.json").read_text())
+        best = dist.broadcast(json.loads((out / "head" / "metrics.json").read_text()) if dist.is_main() else None)
         steps_per_rank = dist.all_gather_objects(state["step"])
         if len(set(steps_per_rank)) != 1:
             raise RuntimeError(f"ranks ran different step counts {steps_per_rank}: a rank-local decision (bug)")
@@ -969,18 +975,23 @@ def replan(state: dict, planned_steps: int, warmup: int, min_ratio: float, reach
 
 def latest_checkpoint(ckpt_dir: Path) -> tuple[str, dict] | None:
     """(tag, ``client.json``) of the checkpoint ``<ckpt_dir>/latest`` names, as rank 0 reads them (every rank
-    decides alike); None when there is no complete one. When that tag is gone (deleted by hand), the newest tag
-    before it: complete, as ``latest`` named it before (a tag after it may be a save a crash cut short)."""
+    decides alike); None when there is no complete one. When that tag is gone (deleted by hand) or its
+    ``client.json`` torn, the newest tag before it: complete, as ``latest`` named it before (a tag after it may be
+    a save a crash cut short)."""
     found = None
     if dist.is_main() and (ckpt_dir / "latest").exists():
         named = (ckpt_dir / "latest").read_text().strip()
         tags = sorted(p.parent.name for p in ckpt_dir.glob("step*/client.json") if p.parent.name <= named)
-        if tags:
-            found = (tags[-1], json.loads((ckpt_dir / tags[-1] / "client.json").read_text()))
-            if tags[-1] != named:   # `latest` names it again (a save of the gone tag's step is no rewrite)
-                log(f"[train] {ckpt_dir / named}, which `latest` names, is gone: resuming from {tags[-1]}, the newest "
-                    "checkpoint before it")
-                write_atomic(ckpt_dir / "latest", tags[-1])
+        for tag in reversed(tags):
+            try:   # torn: a save before checkpoints were fsynced, cut by a node crash
+                found = (tag, json.loads((ckpt_dir / tag / "client.json").read_text()))
+                break
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                log(f"[train] {ckpt_dir / tag / 'client.json'} does not parse (torn by a crash?): not resumed from")
+        if found and found[0] != named:   # `latest` names it again (a save of the gone tag's step is no rewrite)
+            log(f"[train] {ckpt_dir / named}, which `latest` names, is gone or torn: resuming from {found[0]}, the "
+                "newest checkpoint before it")
+            write_atomic(ckpt_dir / "latest", found[0])
     return dist.broadcast(found)
 
 

@@ -607,16 +607,20 @@ def print_plan(cfg: DictConfig) -> dict:
 
 
 def check_train_memory(cfg: DictConfig, device: torch.device) -> Estimate:
-    """Refuse to train when the estimated peak (x ``planner.headroom``) exceeds this rank's free memory;
-    log the estimate otherwise. Call first in the train stage, before anything is loaded on ``device``."""
+    """Refuse to train when the estimated peak (x ``planner.headroom``) exceeds the free memory of the tightest
+    rank, on every rank alike (one rank refusing alone, a GPU another job uses, would leave the others waiting in
+    their next collective until the timeout); log the estimate otherwise. Call first in the train stage, before
+    anything is loaded on ``device``, once the process group exists."""
     from train import dist
 
     est = train_memory(cfg, shapes(cfg, architecture(cfg)), resolve_dtype(cfg.dtype, device),
                        dist.world_size())
-    free, need = _free_memory(device), est.peak * cfg.planner.headroom
+    frees = dist.all_gather_objects(_free_memory(device))
+    free, need = min(frees), est.peak * cfg.planner.headroom
     top = ", ".join(f"{k} {v / GiB:.2f}" for k, v in sorted(est.items.items(), key=lambda kv: -kv[1])[:4])
+    where = f"on {device}" if len(frees) == 1 else f"on rank {frees.index(free)}'s {device.type} (the least of {len(frees)})"
     msg = (f"[train] memory estimate {est.peak / GiB:.2f} GiB per rank (x{cfg.planner.headroom} headroom), "
-           f"{free / GiB:.2f} GiB free on {device}; largest (GiB): {top}")
+           f"{free / GiB:.2f} GiB free {where}; largest (GiB): {top}")
     if need <= free:
         log(msg)
     elif not cfg.planner.enforce:

@@ -44,6 +44,7 @@ def run(cfg: DictConfig) -> None:
     from train.target import resolve_device
     from train.tracking import finish
 
+    dist.adopt_scheduler()  # mpirun/srun: their rank variables, before anything asks which rank this is
     validate(cfg)  # every enum, size and share at once, before any plan, weight or stage
     quiet_libraries()
     if cfg.plan:  # before any process group, weights or stage: rank 0 prints, every rank exits
