@@ -39,7 +39,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from data.captured import CaptureWriter, keeps_states
-from data.formats import DataError, appending, prompt_key, write_atomic
+from data.formats import DataError, appending, prompt_key, read_jsonl, write_atomic
 from data.regenerate import (
     _answered,
     add_answer,
@@ -69,14 +69,22 @@ class RegenError(DataError):
 
 
 class RequestRefused(RegenError):
-    """The server refused one request (HTTP 4xx other than 408 and 429): that request is wrong, not the server."""
+    """The server refused one request (HTTP 4xx other than 408 and 429): that request is wrong, not the server,
+    except for ``SETTINGS_FAULTS``, which every request would get."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+SETTINGS_FAULTS = (401, 403, 404)  # no token, no access, no such model or route: a run's settings, not a row
 
 
 def _opener(url: str) -> urllib.request.OpenerDirector:
     """urllib's opener for ``url``: without the environment's proxies for this machine's own addresses (a cluster's
     ``http_proxy``, set for the Hub, would otherwise receive the requests to a server on 127.0.0.1)."""
     host = urllib.parse.urlsplit(url).hostname or ""
-    local = host in ("localhost", "::1", socket.gethostname()) or host.startswith("127.")
+    local = host in ("localhost", "::1", "0.0.0.0", socket.gethostname()) or host.startswith("127.")
     return urllib.request.build_opener(urllib.request.ProxyHandler({})) if local else urllib.request.build_opener()
 
 
@@ -388,11 +396,9 @@ class OpenAIClient:
                 text = e.read().decode(errors="replace")[:2000]
                 last = f"HTTP {e.code} from {url}: {text}"
                 if e.code not in (408, 429) and e.code < 500:  # the request itself is wrong: retrying would not help
-                    raise RequestRefused(last) from None
-            except TimeoutError:
-                last, timeouts = f"no answer from {url} within data.regen.timeout_s={self.timeout_s:g} s", timeouts + 1
-            except urllib.error.URLError as e:
-                if isinstance(e.reason, (TimeoutError, socket.timeout)):
+                    raise RequestRefused(last, e.code) from None
+            except (TimeoutError, urllib.error.URLError) as e:
+                if isinstance(e, TimeoutError) or isinstance(e.reason, (TimeoutError, socket.timeout)):
                     last, timeouts = f"no answer from {url} within data.regen.timeout_s={self.timeout_s:g} s", timeouts + 1
                 else:
                     last = f"cannot reach {url} ({e.reason}): is the server running and data.regen.url right?"
@@ -511,36 +517,50 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
     :func:`data.regenerate.answer_room` (``max_length``). Answers are checked by :meth:`OpenAIClient.answer`.
 
     ``on_error="skip"`` (``data.on_error``): a conversation the server refuses (HTTP 4xx: that request is wrong) or
-    the chat template cannot render is left out, its key and reason in ``stats["refused"]``, instead of stopping
-    the run; its answers so far stay in the cache, unfinished, and a rerun asks it again. Where the server refuses
-    more requests than it answers (at least 10), the fault is the server's or the settings': the run stops.
+    the chat template cannot render is left out instead of stopping the run: its key and reason go to
+    ``stats["refused"]`` and to :func:`refused_file` (a rerun leaves those out without asking; delete the file to ask
+    them again), its answers so far stay in the cache, unfinished. A refusal every request would get (HTTP 401, 403,
+    404: the token, the model name) stops the run, and so does a server refusing more requests than it answers once
+    ``max(100, 2 x concurrency)`` have come back (refusals come back at once, answers after seconds).
     """
     state, stats = pending(convs, system_prompt, path, max_length)
-    stats["refused"] = {}
+    refused_path = refused_file(path)
+    refused = stats["refused"] = {}
+    if on_error == "skip" and refused_path.exists():   # refused by an earlier run: left out again, not asked
+        before = {r["key"]: r["reason"] for r in read_jsonl(refused_path)}
+        refused.update({k: before[k] for k in state if k in before})
+        state = {k: r for k, r in state.items() if k not in before}
     if not state:
         return stats
+    client.halt.clear()   # (set by an earlier failure of this client)
     client.resolve_model()  # an unreachable server fails here, before any work (a vLLM server starts here)
-    client.halt.clear()
     limit = min(n for n in (max_length, client.max_model_len) if n) if max_length or client.max_model_len else None
     total_turns = sum(len(r["users"]) - _answered(r) for r in state.values())
     log(f"[data] regenerating {len(state)} conversations ({total_turns} answers) via {client.base} "
-        f"(model {client.model!r}, {client.concurrency} at once); {stats['cached']} cached in {path}")
+        f"(model {client.model!r}, {client.concurrency} at once); {stats['cached']} cached in {path}"
+        + (f"; {len(refused)} refused before left out ({refused_path})" if refused else ""))
     lock, stop = threading.Lock(), threading.Event()  # the tokenizer is not thread-safe: used under the lock
     bar = progress(total=total_turns, desc="regenerate", unit="answer")
     start = time.time()
-    refused, answered = stats["refused"], [0]
+    outcomes = {"answered": 0, "refused": 0}   # this run's requests
+    judged_after = max(100, 2 * client.concurrency)
 
-    def refuse(row: dict, turn: int, reason: str) -> None:
+    def refuse(row: dict, turn: int, reason: str, code: int | None = None) -> None:
         """Leave conversation ``row`` out (on_error=skip), or stop the run naming the fix."""
+        if code in SETTINGS_FAULTS:
+            raise RegenError(f"{reason}: check data.regen.url, data.regen.model and the server's token")
         if on_error != "skip":
             raise RegenError(f"conversation {row['key']}: {reason}. Set data.on_error=skip to leave out and count "
                              "the conversations the server or the template refuses")
         with lock:
             refused[row["key"]] = reason
+            outcomes["refused"] += 1
+            with appending(refused_path) as g:   # (not fsynced: one lost is asked again)
+                g.write(json.dumps({"key": row["key"], "reason": reason}) + "\n")
             bar.update(len(row["users"]) - turn)
-            if len(refused) >= 10 and len(refused) > answered[0]:
-                raise RegenError(f"the server refused {len(refused)} requests and answered {answered[0]}; the last: "
-                                 f"{reason}")
+            if sum(outcomes.values()) >= judged_after and outcomes["refused"] > outcomes["answered"]:
+                raise RegenError(f"the server refused {outcomes['refused']} requests and answered "
+                                 f"{outcomes['answered']}; the last: {reason}")
 
     def converse(row: dict, f) -> None:
         for turn in range(_answered(row), len(row["users"])):
@@ -563,12 +583,12 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
                                          answer_room(len(ids), rcfg.max_new_tokens, max_length), rcfg.temperature,
                                          rcfg.top_p, rcfg.top_k)
             except RequestRefused as e:
-                return refuse(row, turn, str(e))
+                return refuse(row, turn, str(e), e.code)
             with lock:
                 message, n, hit_eos = client.answer(choice, tokenizer, eos)
                 add_answer(row, message, n, hit_eos, len(ids), rcfg.max_new_tokens, max_length)
                 stats["new_tokens"] += n
-                answered[0] += 1
+                outcomes["answered"] += 1
                 f.write(cache_line(row))
                 f.flush()
                 bar.update(1)
@@ -581,16 +601,19 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
             j.cancel()
 
     errors = []
-    with appending(path) as f, futures.ThreadPoolExecutor(max_workers=client.concurrency) as pool:
-        jobs = [pool.submit(converse, row, f) for row in state.values()]
-        try:
-            for job in futures.as_completed(jobs):
-                if not job.cancelled() and job.exception() is not None and not errors:
-                    errors.append(job.exception())
-                    halt()
-        except BaseException:  # Ctrl-C: no new turn starts, no retry; the requests in flight end within timeout_s
-            halt()
-            raise
+    try:
+        with appending(path) as f, futures.ThreadPoolExecutor(max_workers=client.concurrency) as pool:
+            jobs = [pool.submit(converse, row, f) for row in state.values()]
+            try:
+                for job in futures.as_completed(jobs):
+                    if not job.cancelled() and job.exception() is not None and not errors:
+                        errors.append(job.exception())
+                        halt()
+            except BaseException:  # Ctrl-C: no new turn starts, no retry; the requests in flight end within timeout_s
+                halt()
+                raise
+    finally:
+        client.halt.clear()
     bar.close()
     stats["seconds"] = round(time.time() - start, 1)
     stats["tokens_per_s"] = round(stats["new_tokens"] / max(stats["seconds"], 1e-9), 1)
@@ -599,10 +622,16 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
         raise RegenError(f"regeneration through {client.base} failed: {errors[0]}. {written} complete "
                          f"conversations are kept in {path}; rerun to resume") from errors[0]
     if refused:
-        log(f"[data] left out {len(refused)} conversations the server or the template refused (data.on_error=skip; "
-            f"a rerun asks them again); the first: {next(iter(refused.values()))}")
+        log(f"[data] left out {len(refused)} conversations the server or the template refused (data.on_error=skip), "
+            f"each with its reason in {refused_path} (delete it to ask them again); the first: "
+            f"{next(iter(refused.values()))}")
     log(f"[data] regenerated {stats['new_tokens']} tokens in {stats['seconds']} s ({stats['tokens_per_s']} tok/s)")
     return stats
+
+
+def refused_file(cache: Path) -> Path:
+    """Where :func:`regenerate_openai` lists the conversations a server refused (JSON lines: key, reason)."""
+    return cache.with_name(f"{cache.stem}.refused.jsonl")
 
 
 # --- a vLLM server for the target -------------------------------------------------------------------------
@@ -812,8 +841,8 @@ class VLLMServer:
         """SIGTERM to the server's whole process group, then SIGKILL to what is left after 30 s: also when the API
         server itself has exited already (crashed, OOM-killed), since an engine core or worker outliving it would
         hold the GPUs' memory from the next stage or run."""
-        if self.proc is None:
-            return
+        if self.proc is None or (self.proc.poll() is not None and not group_alive(self.proc.pid)):
+            return   # (all gone: the group's id, its leader's pid, may be another process's by now)
         for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(self.proc.pid, sig)

@@ -331,9 +331,12 @@ class ServerWriter:
             yield b, outs
 
     def close(self) -> None:
-        """Drop the requests not started; wait for the ones in flight."""
+        """Drop the requests not started; wait for the ones in flight, without their retries (after a failure each
+        would otherwise wait out its back-off: minutes)."""
         if self.pool is not None:
+            self.client.halt.set()
             self.pool.shutdown(wait=True, cancel_futures=True)
+            self.client.halt.clear()
         self.pool, self.asked = None, {}
 
 

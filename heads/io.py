@@ -53,6 +53,13 @@ def load_head_config(path: str | Path) -> tuple[str, Eagle3Config | MedusaConfig
     return meta["type"], KINDS[meta["type"]][0](**meta["config"])
 
 
+def share_embedding(head: nn.Module, model: nn.Module) -> None:
+    """An EAGLE-3 head embeds tokens with the loaded target ``model``'s own (frozen) embedding parameter, not a
+    copy of it (1 GB at 8B in bf16); nothing for a Medusa head."""
+    if isinstance(head, Eagle3Head):
+        head.embed_tokens.weight = model.get_input_embeddings().weight
+
+
 def load_head(path: str | Path, target: nn.Module | TargetWeights | None = None) -> nn.Module:
     """Rebuild a saved head; with ``target``, an EAGLE-3 head gets the target's embedding: a loaded model's own
     parameter, shared (a second copy is 1 GB at 8B in bf16), or a copy of :class:`TargetWeights`'."""
@@ -62,8 +69,8 @@ def load_head(path: str | Path, target: nn.Module | TargetWeights | None = None)
     missing = [k for k in missing if not k.startswith("embed_tokens.")]
     if missing or unexpected:
         raise ValueError(f"{path}: head checkpoint does not match its config: missing={missing}, unexpected={unexpected}")
-    if isinstance(target, nn.Module) and isinstance(head, Eagle3Head):
-        head.embed_tokens.weight = target.get_input_embeddings().weight
+    if isinstance(target, nn.Module):
+        share_embedding(head, target)
     elif target is not None and isinstance(head, Eagle3Head):
         with torch.no_grad():
             head.embed_tokens.weight.copy_(target.embed)

@@ -222,9 +222,21 @@ SCHEDULER_ENVS = {  # what mpirun / srun give each process, and no RANK or WORLD
     "openmpi": {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
                 "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
     "mpich": {"PMI_SIZE": "4", "PMI_RANK": "3", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"},
-    "srun": {"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
-             "SLURM_NTASKS": "4"},
+    "srun": {"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "3,2(x2)",
+             "SLURM_NTASKS": "4", "SLURM_NODEID": "2"},
+    # srun --mpi=pmi2: PMI_RANK and PMI_SIZE without MPI_LOCALRANKID (each would otherwise take cuda:0)
+    "srun-pmi2": {"PMI_SIZE": "4", "PMI_RANK": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "3",
+                  "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1"},
 }
+
+
+def no_launcher(monkeypatch) -> None:
+    """No launcher's variables, and whatever the test (adopt_scheduler) sets of them undone after it."""
+    from train import dist
+
+    for name in (*dist.LAUNCHER_VARS, "SLURM_NODEID", *(v for names in dist.SCHEDULERS.values() for v in names)):
+        monkeypatch.setenv(name, "")   # recorded as it was: undone at the end, also what is set after this
+        monkeypatch.delenv(name)
 
 
 @pytest.mark.parametrize("launcher", sorted(SCHEDULER_ENVS))
@@ -233,8 +245,7 @@ def test_ranks_started_by_mpirun_or_srun_take_their_launchers_numbers(monkeypatc
     Their own variables give the rank; without MASTER_ADDR/MASTER_PORT the run stops naming them."""
     from train import dist
 
-    for name in (*dist.LAUNCHER_VARS, *(v for names in dist.SCHEDULERS.values() for v in names)):
-        monkeypatch.delenv(name, raising=False)
+    no_launcher(monkeypatch)
     for name, value in SCHEDULER_ENVS[launcher].items():
         monkeypatch.setenv(name, value)
     with pytest.raises(UserError, match=r"4 processes started by .* without MASTER_ADDR and MASTER_PORT.*export both"):
@@ -256,8 +267,7 @@ def test_a_batch_script_of_several_tasks_is_one_process(monkeypatch):
     ranks, and under deepspeed or torchrun (WORLD_SIZE set) nothing is touched."""
     from train import dist
 
-    for name in (*dist.LAUNCHER_VARS, *(v for names in dist.SCHEDULERS.values() for v in names)):
-        monkeypatch.delenv(name, raising=False)
+    no_launcher(monkeypatch)
     monkeypatch.setenv("SLURM_NTASKS", "8")
     monkeypatch.setenv("SLURM_PROCID", "0")
     dist.adopt_scheduler()
@@ -275,3 +285,56 @@ def test_threads_follow_the_cpus_this_process_may_use(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 128)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     assert dist.cpus() == 4
+
+
+def _on_main_rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as tdist
+
+    from train import dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    tdist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        shared = dist.on_main(lambda: {"rank": dist.rank()})
+        try:
+            dist.on_main(lambda: json.loads(""))   # rank 0's read fails (a torn file)
+            failed = None
+        except json.JSONDecodeError as e:
+            failed = type(e).__name__
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump({"shared": shared, "failed": failed}, f)
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_a_failure_on_rank_0_is_raised_on_every_rank(tmp_path):
+    """Decisions rank 0 takes for all (dist.on_main): its value on every rank, and its error too, where the other
+    ranks used to wait in the broadcast until the timeout (an hour)."""
+    import torch.multiprocessing as mp
+
+    from train.dist import free_port
+
+    mp.spawn(_on_main_rank, args=(free_port(), str(tmp_path / "out")), nprocs=2, join=True)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"out.{rank}").read_text())
+        assert got == {"shared": {"rank": 0}, "failed": "JSONDecodeError"}
+
+
+@pytest.mark.parametrize("overrides, error", [
+    (["model.path=/models/Llama-3.1-8B-Instruct"], r"read with model.source=hf only .*embedded SmolLM2-135M would train"),
+    (["model.source=hf", "model.hub_id=meta-llama/Llama-3.1-8B-Instruct"],
+     r"keeps the default target's model.name=smollm2-135m .*train.max_minutes=9"),
+    (["model=qwen2.5-7b", "model.path=/models/qwen"], None),                # a preset with a local copy: fine
+    (["model.source=hf"], None),                                            # SmolLM2 itself from the Hub: fine
+])
+def test_a_target_set_over_the_default_preset_is_refused(overrides, error):
+    """model.path without a preset used to train the embedded 135M target silently (the path is read with source=hf
+    only); with source=hf, the 8B target trained under the default's name and 9-minute budget."""
+    from train.checks import validate
+
+    cfg = make_cfg(overrides)
+    if error is None:
+        validate(cfg)
+    else:
+        with pytest.raises(ConfigError, match=error):
+            validate(cfg)

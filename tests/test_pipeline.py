@@ -691,8 +691,20 @@ def test_the_train_stage_lets_go_of_its_engine_and_online_target(prepared, tmp_p
     def remembered(self, cfg):
         init(self, cfg)
         refs.extend([weakref.ref(self), weakref.ref(self.data.train.target)])
+        # the head embeds with the online target's own embedding (a copy is 1 GB more per GPU at 8B)
+        shared.append(self.model.embed_tokens.weight is self.data.train.target.get_input_embeddings().weight)
 
+    shared = []
     monkeypatch.setattr(train.loop.Trainer, "__init__", remembered)
     run_stages(fresh_run(prepared, tmp_path, "stages=[train]", "train.online=true"))
     gc.collect()
     assert len(refs) == 2 and all(ref() is None for ref in refs)
+    assert shared == [True]
+
+
+def test_online_training_refuses_data_of_another_target(prepared, tmp_path):
+    """Online, no extract stage checks the data against the target: a target changed since the data stage (another
+    model.path, revision or fine-tune of the same tokenizer) would train on answers another model wrote."""
+    cfg = fresh_run(prepared, tmp_path, "stages=[train]", "train.online=true", "model.init_seed=1")
+    with pytest.raises(ExtractError, match="was made with another target/tokenizer"):
+        run_stages(cfg)

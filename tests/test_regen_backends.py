@@ -98,7 +98,8 @@ class Stub:
                 self.reply(200, {"choices": [{**answer, "finish_reason": reason}],
                                  "usage": {"completion_tokens": len(ids)}})
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = type("Server", (ThreadingHTTPServer,), {"request_queue_size": 128})(("127.0.0.1", 0), Handler)
+        # (the listen backlog: 5 by default, where 40 requests at once had connections reset)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -220,7 +221,10 @@ def refusing(tok, text: str) -> Callable[[dict, int], int | None]:
 
 def test_a_conversation_the_server_refuses_is_left_out_under_skip(tiny, reference, tmp_path):
     """One request the server refuses (HTTP 400) stops the run by default, naming data.on_error=skip; with skip
-    the conversation is left out and named, the others are written, and a rerun asks the refused one again."""
+    the conversation is left out and listed with its reason, the others are written; a rerun leaves it out without
+    asking, and asks it again once the list is deleted."""
+    from data.engines import refused_file
+
     _, tok, rcfg, eos = tiny
     path = tmp_path / "c.jsonl"
     stub = stub_for(tiny, status=refusing(tok, "question 2"))
@@ -231,31 +235,54 @@ def test_a_conversation_the_server_refuses_is_left_out_under_skip(tiny, referenc
         assert sum(r["prompt"] == prompt_ids(tok, [CONVS[2]["messages"][0]]) for r in stub.requests) == 1  # not retried
         stats = regenerate_openai(CONVS, tok, rcfg, None, path, OpenAIClient(stub.url, None, 30, 3, 3), eos,
                                   on_error="skip")
+        key = next(k for k in reference if k not in read_cache(path))
+        assert list(stats["refused"]) == [key] and "HTTP 400" in stats["refused"][key]
+        assert read_cache(path) == {k: r for k, r in reference.items() if k != key}
+        asked = len(stub.requests)
+        again = regenerate_openai(CONVS, tok, rcfg, None, path, OpenAIClient(stub.url, None, 30, 3, 3), eos,
+                                  on_error="skip")
+        assert len(stub.requests) == asked and again["refused"] == stats["refused"]   # left out, not asked
     finally:
         stub.close()
-    key = next(k for k in reference if k not in read_cache(path))
-    assert list(stats["refused"]) == [key] and "HTTP 400" in stats["refused"][key]
-    assert read_cache(path) == {k: r for k, r in reference.items() if k != key}
+    refused_file(path).unlink()
     stub = stub_for(tiny)
     try:
-        stats = regenerate_openai(CONVS, tok, rcfg, None, path, OpenAIClient(stub.url, None, 30, 0, 3), eos)
+        stats = regenerate_openai(CONVS, tok, rcfg, None, path, OpenAIClient(stub.url, None, 30, 0, 3), eos,
+                                  on_error="skip")
     finally:
         stub.close()
     assert len(stub.requests) == 1 and not stats["refused"] and read_cache(path) == reference
 
 
-def test_a_server_refusing_more_than_it_answers_stops_the_run(tiny, tmp_path):
-    """on_error=skip leaves out single refusals, not a server (or settings) that refuses everything."""
+def test_fast_refusals_do_not_stop_a_server_that_answers(tiny, tmp_path):
+    """Refusals come back at once, answers after seconds: with many requests in flight, a third of them refused,
+    more refusals than answers are in before the first answer. That is no reason to stop a run under skip."""
     _, tok, rcfg, eos = tiny
-    convs = [{"messages": [{"role": "user", "content": f"q {i}"}]} for i in range(30)]
-    stub = stub_for(tiny, status=lambda body, n: 404)
+    convs = [{"messages": [{"role": "user", "content": f"q {i}"}]} for i in range(60)]
+    bad = [refusing(tok, f"q {i}") for i in range(0, 60, 3)]
+    stub = stub_for(tiny, status=lambda body, n: 400 if any(b(body, n) for b in bad) else None, delay_s=0.3)
     try:
-        with pytest.raises(RegenError, match=r"the server refused \d+ requests and answered 0; the last: HTTP 404"):
+        stats = regenerate_openai(convs, tok, rcfg, None, tmp_path / "c.jsonl",
+                                  OpenAIClient(stub.url, None, 30, 0, 40), eos, on_error="skip")
+    finally:
+        stub.close()
+    assert len(stats["refused"]) == 20 and len(read_cache(tmp_path / "c.jsonl")) == 40
+
+
+@pytest.mark.parametrize("code, asked", [(400, 100), (404, 1)])
+def test_a_server_refusing_more_than_it_answers_stops_the_run(tiny, tmp_path, code, asked):
+    """on_error=skip leaves out single refusals, not a server (or settings) that refuses everything: a refusal every
+    request gets (404: no such model) at once, others once 100 requests came back mostly refused."""
+    _, tok, rcfg, eos = tiny
+    convs = [{"messages": [{"role": "user", "content": f"q {i}"}]} for i in range(130)]
+    stub = stub_for(tiny, status=lambda body, n: code)
+    try:
+        with pytest.raises(RegenError, match=rf"HTTP {code}"):
             regenerate_openai(convs, tok, rcfg, None, tmp_path / "c.jsonl", OpenAIClient(stub.url, None, 30, 0, 1),
                               eos, on_error="skip")
     finally:
         stub.close()
-    assert 10 <= len(stub.requests) < 30
+    assert asked <= len(stub.requests) <= asked + 1   # (the one worker may have taken the next before the stop)
 
 
 def test_a_server_down_for_a_while_is_retried_and_said_so(tiny, reference, tmp_path, caplog):

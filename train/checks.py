@@ -24,6 +24,7 @@ from train.losses import OBJECTIVES
 from train.stages import ORDER
 
 DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"   # conf/model/smollm2-135m.yaml's original
 STAGES = tuple(ORDER)
 EXPORTS = FORMATS
 SOURCE_KEYS = ("type", "path", "hf", "hf_split", "hf_config", "hf_revision", "hf_data_files", "hf_streaming",
@@ -189,12 +190,32 @@ def problems(cfg: DictConfig) -> list[str]:
         given = [k for k in ("type", "path", "hf") if source.get(k) is not None]
         if len(given) != 1:
             out.append(f"data.sources[{i}] needs exactly one of type (builtin|humaneval|synth), path or hf, got {given}")
+    out += target_problems(cfg)
     if (OmegaConf.select(cfg, "extract.source") == "regen" and OmegaConf.select(cfg, "data.regen.backend") != "hf"
             and OmegaConf.select(cfg, "data.regenerate")):
         out.append(f"extract.source=regen keeps the hidden states of the hf backend's own passes; "
                    f"data.regen.backend={cfg.data.regen.backend} servers do not return them: use extract.source=auto "
                    "or pass (a separate extraction pass), or data.regen.backend=hf")
     return out
+
+
+def target_problems(cfg: DictConfig) -> list[str]:
+    """A target set by ``model.path`` or ``model.hub_id`` over the default preset: without ``model.source=hf`` the
+    path is never read and the embedded 135M target trains; with it, the 8B target would train under the default's
+    name (its run directory) and the CPU demo's 9-minute budget. A preset sets all three."""
+    mcfg = OmegaConf.select(cfg, "model") or {}
+    default = mcfg.get("name") == "smollm2-135m"
+    if mcfg.get("path") and mcfg.get("source") != "hf":
+        return [f"model.path={mcfg.path} is read with model.source=hf only (here model.source={mcfg.source}"
+                + (": the embedded SmolLM2-135M would train" if default else "")
+                + "): start from a preset (model=qwen2.5-7b|llama3.1-8b|qwen3-8b) and set model.path, or add "
+                "model.source=hf and model.name=<a name for its run directory>"]
+    if default and mcfg.get("source") == "hf" and (mcfg.get("path") or mcfg.hub_id != DEFAULT_HUB_ID):
+        return [f"model.source=hf with {'model.path=' + str(mcfg.path) if mcfg.get('path') else 'model.hub_id=' + str(mcfg.hub_id)} "
+                "keeps the default target's model.name=smollm2-135m (its run directory) and the CPU demo's train "
+                "settings (train.max_minutes=9): start from a preset (model=qwen2.5-7b|llama3.1-8b|qwen3-8b) and set "
+                "model.path or model.hub_id there, or set model.name (and train=full) yourself"]
+    return []
 
 
 def preflight(cfg: DictConfig) -> None:

@@ -38,11 +38,14 @@ SCHEDULERS = {"mpirun (OpenMPI)": ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK
 def adopt_scheduler() -> None:
     """Processes started by mpirun or srun (``deepspeed --launcher openmpi|mpich|slurm``, or directly) carry no
     ``RANK``/``WORLD_SIZE``: each would run alone as rank 0, every one on cuda:0 and on the same run directory. Their
-    launcher's variables become ours, with ``MASTER_ADDR``/``MASTER_PORT`` as the user exports them (refused
-    without: no launcher of these sets them for torch). Nothing under deepspeed's own launcher or torchrun."""
+    launcher's variables become ours (a launcher counts only where it names the local rank too: ``srun --mpi=pmi2``
+    sets PMI_RANK without MPI_LOCALRANKID, and its SLURM_* then say it), with ``MASTER_ADDR``/``MASTER_PORT`` as the
+    user exports them (refused without: no launcher of these sets them for torch). Nothing under deepspeed's own
+    launcher or torchrun."""
     if "WORLD_SIZE" in os.environ:
         return
-    name = next((name for name, names in SCHEDULERS.items() if int(os.environ.get(names[0]) or 1) > 1), None)
+    name = next((name for name, names in SCHEDULERS.items()
+                 if int(os.environ.get(names[0]) or 1) > 1 and all(v in os.environ for v in names[1:3])), None)
     if name is None:
         return
     size, rank_, local, local_size = SCHEDULERS[name]
@@ -52,10 +55,22 @@ def adopt_scheduler() -> None:
                         "rank 0 listens for the others: export both to every process (mpirun -x MASTER_ADDR=<first "
                         "node> -x MASTER_PORT=29500; srun: export them in the batch script; deepspeed --launcher "
                         "openmpi: put them in .deepspeed_env), or launch with deepspeed's default launcher or torchrun")
-    per_node = os.environ.get(local_size, "")
-    os.environ.update({"WORLD_SIZE": n, "RANK": os.environ[rank_], "LOCAL_RANK": os.environ.get(local, "0")})
-    if per_node[:1].isdigit():   # srun: "4(x2)" or "4,2"; this node's share is the first when nodes are alike
-        os.environ["LOCAL_WORLD_SIZE"] = per_node.split("(")[0].split(",")[0]
+    os.environ.update({"WORLD_SIZE": n, "RANK": os.environ[rank_], "LOCAL_RANK": os.environ[local]})
+    if per_node := _tasks_here(os.environ.get(local_size, "")):
+        os.environ["LOCAL_WORLD_SIZE"] = per_node
+
+
+def _tasks_here(per_node: str) -> str | None:
+    """This node's task count from a launcher's ``per_node``: a number (MPI), or srun's list by node, e.g. "4(x2),2"
+    (this node: ``SLURM_NODEID``); None when it does not say."""
+    counts = []
+    for part in filter(None, per_node.split(",")):
+        count, _, times = part.partition("(x")
+        if not count.isdigit():
+            return None
+        counts += [count] * int(times.rstrip(")") or 1)
+    node = int(os.environ.get("SLURM_NODEID") or 0) if len(counts) > 1 else 0
+    return counts[node] if node < len(counts) else None
 
 
 def world_size() -> int:
@@ -176,6 +191,21 @@ def all_gather_objects(obj):
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def on_main(fn):
+    """``fn()`` computed on rank 0, its value on every rank; its exception raised on every rank too (rank 0 failing
+    alone would leave the others waiting in the broadcast until the timeout)."""
+    out = None
+    if is_main():
+        try:
+            out = (fn(), None)
+        except Exception as e:
+            out = (None, e)
+    value, error = broadcast(out)
+    if error is not None:
+        raise error
+    return value
 
 
 def broadcast(obj):

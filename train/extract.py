@@ -294,7 +294,7 @@ def run(cfg: DictConfig) -> dict:
     dataset_id = data_manifest["dataset_id"]
     world, rank = dist.world_size(), dist.rank()
     kept = stage_dir(cfg, "data") / "captured"
-    uses_kept = dist.broadcast(reads_kept(cfg) if dist.is_main() else None)   # one decision for every rank
+    uses_kept = dist.on_main(lambda: reads_kept(cfg))   # one decision for every rank
     if dist.is_main():  # shards of an earlier plan (another shard_mb, other rows) would never be overwritten
         for f in set(out.glob("*.safetensors")) - {out / s["file"] for s in shards}:
             f.unlink()
@@ -436,7 +436,7 @@ class ReadyStates:
                     if keys[r] in self.captured.index and self.captured.covers(keys[r], ds[split][r]["input_ids"]):
                         self.rows[split][r] = "regeneration"
         if cfg.extract.get("reuse", True):  # rank 0's choice (a sibling finishing now: ranks could see different ones)
-            found = dist.broadcast(_sibling(cfg, layers, target, dataset_id, lengths) if dist.is_main() else None)
+            found = dist.on_main(lambda: _sibling(cfg, layers, target, dataset_id, lengths))
             self.sibling = None if found is None else (Captures(found[0]), found[1])
         if self.sibling is not None:
             for split in SPLITS:

@@ -38,15 +38,22 @@ from data.formats import fsync_dir, fsync_tree, write_atomic
 from data.stage import load_dataset, row_lengths
 from data.vocab import build_vocab, coverage
 from heads.frozen import TargetWeights
-from heads.io import build_head, head_config, save_head
+from heads.io import build_head, head_config, save_head, share_embedding
 from train import dist, stages
 from train.errors import UserError
-from train.extract import Captures, ExtractError, batches, capture, capture_layers
+from train.extract import Captures, ExtractError, batches, capture, capture_layers, check_data
 from train.log import log, peak_rss_gib, progress
 from train.losses import StepStats, eagle3_loss, full_argmax, loss_counts, medusa_loss, target_view
 from train.plan import check_train_memory
 from train.stages import FORCED, RESUMABLE, fingerprint, flat_config, require, stage_dir, upstream_ids
-from train.target import load_layer_weights, load_target, load_weights, resolve_device, resolve_dtype
+from train.target import (
+    load_layer_weights,
+    load_target,
+    load_tokenizer,
+    load_weights,
+    resolve_device,
+    resolve_dtype,
+)
 from train.tracking import Tracker
 
 if TYPE_CHECKING:
@@ -417,6 +424,8 @@ def setup_process(cfg: DictConfig) -> tuple[torch.device, torch.dtype]:
     require(cfg, "data")
     if not tcfg.online:
         require(cfg, "extract")
+    else:   # the extract stage, which refuses data made with another target or tokenizer, does not run
+        check_data(cfg, load_tokenizer(cfg))
     device = dist.bind_device(resolve_device(cfg.device))
     dtype = resolve_dtype(cfg.dtype, device)
     dist.init(device, single=True, timeout_minutes=cfg.dist_timeout_minutes)
@@ -539,10 +548,9 @@ class Trainer:
         self.latest = latest_checkpoint(self.ckpt_dir)  # rank 0's (tag, client.json) of the checkpoint to resume
         # rank 0's reading of the upstream markers (another rank's, through a network filesystem's stale cache,
         # could decide the resume otherwise and leave the ranks apart in their next collective)
-        self.fingerprint, self.identity = dist.broadcast((fingerprint(cfg, "train"), checkpoint_identity(cfg))
-                                                         if dist.is_main() else None)
+        self.fingerprint, self.identity = dist.on_main(lambda: (fingerprint(cfg, "train"), checkpoint_identity(cfg)))
         # force=[train] starts over, but for the run it started itself, repeated after a crash: that one resumes
-        self.force = "train" in cfg.force and not dist.broadcast(self.forced_resume() if dist.is_main() else None)
+        self.force = "train" in cfg.force and not dist.on_main(lambda: self.forced_resume())
         try:
             self.tcfg, self.universal = self.fit_to_checkpoint()
         except CheckpointMismatchError:   # (alike on every rank: `latest` is rank 0's) a forced run that cannot
@@ -557,6 +565,8 @@ class Trainer:
         weights = TargetWeights.of(target) if self.tcfg.online else load_weights(cfg, self.dtype)
         layers = capture_layers(cfg, weights.config)
         head, self.draft_rows = make_head(cfg, weights, self.device, self.dtype)
+        if target is not None:   # online: the target's own embedding (1 GB more per GPU at 8B as a copy)
+            share_embedding(head, target)
         del weights
         self.data = load_data(cfg, target, layers, self.device, self.per_step)
         self.planned_steps = self.tcfg.max_steps or self.tcfg.epochs * self.data.steps_per_epoch
@@ -566,7 +576,7 @@ class Trainer:
         # "run": this run's id (rank 0's, kept in the checkpoints, written beside each best head): a head/ whose id
         # differs is another run's (a forced rerun's predecessor), whatever the files' times say
         self.state = {"step": 0, "best": -1.0, "bad_evals": 0, "history": [], "total_steps": self.planned_steps,
-                      "run": dist.broadcast(uuid.uuid4().hex if dist.is_main() else None)}
+                      "run": dist.on_main(lambda: uuid.uuid4().hex)}
         self.rescore = False  # validation settings changed on resume: validate at the end whatever was validated
         # A lambda, not the bound method: LambdaLR leaves plain functions out of its (checkpointed) state.
         self.engine, self.scheduler = make_engine(head, self.tcfg, self.dtype, lambda s: self.lr_ratio(s),
@@ -594,7 +604,7 @@ class Trainer:
         if (checkpoint_per_step(client) != self.world * accum
                 and client.get("identity", {}).get("train.grad_accum", accum) == accum):
             accum = resume_accum(client, self.world, self.ckpt_dir)
-        shards = dist.broadcast(any((self.ckpt_dir / tag).glob("*optim_states.pt")) if dist.is_main() else None)
+        shards = dist.on_main(lambda: any((self.ckpt_dir / tag).glob("*optim_states.pt")))
         universal = shards and client["world"] != self.world
         if universal and client.get("identity", {}).get("train.optimizer", tcfg.optimizer) == "muon":
             raise CheckpointMismatchError(
@@ -617,7 +627,7 @@ class Trainer:
         """Delete the checkpoints. Under ``force=[train]`` note the settings it started over with (:data:`FORCED`,
         deleted once the command has run every stage: ``train.stages.run_stages``): the same command again after a
         crash, in training or a stage after it, resumes what it started, not deleting hours of it too."""
-        if dist.broadcast(self.ckpt_dir.exists() if dist.is_main() else None):   # (rank 0's view: one pairing)
+        if dist.on_main(lambda: self.ckpt_dir.exists()):   # (rank 0's view: one pairing)
             _remove_checkpoints(self.ckpt_dir)
         if "train" in self.cfg.force and dist.is_main():
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -873,7 +883,7 @@ class Trainer:
         state, ckpt_dir = self.state, self.ckpt_dir
         tag = f"step{state['step']:07d}"
         latest = ckpt_dir / "latest"
-        if dist.broadcast(latest.exists() and latest.read_text().strip() == tag if dist.is_main() else None):
+        if dist.on_main(lambda: latest.exists() and latest.read_text().strip() == tag):
             return  # saved at this step already (a run ending on a checkpoint step, a resume with nothing to train):
             #         rewritten in place, a crash mid-save would tear the one checkpoint `latest` names
         if dist.is_main():
@@ -889,9 +899,12 @@ class Trainer:
                   "average": self.average.shadow if self.average else None}
         self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False,
                                     exclude_frozen_parameters=True)
-        fsync_tree(ckpt_dir / tag)  # DeepSpeed writes without fsync: after a node crash `latest` could name empty files
         dist.barrier()  # every rank's shards written: only now may `latest` name this tag (DeepSpeed's own `latest`
-        if dist.is_main():  # is written by rank 0 before the other ranks have finished theirs)
+        #                 is written by rank 0 before the other ranks have finished theirs), once they are on disk:
+        if dist.local_rank() == 0:   # DeepSpeed writes without fsync (after a node crash `latest` could name empty
+            fsync_tree(ckpt_dir / tag)   # files); one process a node syncs what its ranks wrote (the node's cache)
+        dist.barrier()
+        if dist.is_main():
             write_atomic(ckpt_dir / "latest", tag)
             # the newest up to this one; a tag past it is a save a crash cut short (this run resumed before it):
             # kept by name, it would outrank this one and the rotation would delete the checkpoint `latest` names
@@ -919,7 +932,7 @@ class Trainer:
         """Check that every rank ran the same steps, write ``summary.json`` and return the best head's figures."""
         state, out = self.state, self.out
         elapsed, own = time.time() - self.start, time.time() - self.run_start  # the whole run's / this process's
-        best = dist.broadcast(json.loads((out / "head" / "metrics.json").read_text()) if dist.is_main() else None)
+        best = dist.on_main(lambda: json.loads((out / "head" / "metrics.json").read_text()))
         steps_per_rank = dist.all_gather_objects(state["step"])
         if len(set(steps_per_rank)) != 1:
             raise RuntimeError(f"ranks ran different step counts {steps_per_rank}: a rank-local decision (bug)")
@@ -978,8 +991,13 @@ def latest_checkpoint(ckpt_dir: Path) -> tuple[str, dict] | None:
     decides alike); None when there is no complete one. When that tag is gone (deleted by hand) or its
     ``client.json`` torn, the newest tag before it: complete, as ``latest`` named it before (a tag after it may be
     a save a crash cut short)."""
+    return dist.on_main(lambda: _newest_complete(ckpt_dir))
+
+
+def _newest_complete(ckpt_dir: Path) -> tuple[str, dict] | None:
+    """:func:`latest_checkpoint` as rank 0 finds it."""
     found = None
-    if dist.is_main() and (ckpt_dir / "latest").exists():
+    if (ckpt_dir / "latest").exists():
         named = (ckpt_dir / "latest").read_text().strip()
         tags = sorted(p.parent.name for p in ckpt_dir.glob("step*/client.json") if p.parent.name <= named)
         for tag in reversed(tags):
@@ -992,7 +1010,7 @@ def latest_checkpoint(ckpt_dir: Path) -> tuple[str, dict] | None:
             log(f"[train] {ckpt_dir / named}, which `latest` names, is gone or torn: resuming from {found[0]}, the "
                 "newest checkpoint before it")
             write_atomic(ckpt_dir / "latest", found[0])
-    return dist.broadcast(found)
+    return found
 
 
 def checkpoint_per_step(client: dict) -> int:
@@ -1024,7 +1042,7 @@ def to_universal(ckpt: Path, timeout_s: float) -> str:
     A conversion past ``timeout_s`` (``hang_minutes``) is stopped as hung."""
     root = ckpt.parent
     out, tmp = root / f"universal-{ckpt.name}", root / f"universal-{ckpt.name}.tmp"
-    attempt = dist.broadcast(uuid.uuid4().hex[:12] if dist.is_main() else None)
+    attempt = dist.on_main(lambda: uuid.uuid4().hex[:12])
     failed, alive = root / f"universal.failed.{attempt}", root / f"universal.alive.{attempt}"
     if dist.is_main() and not out.exists():
         with stages.heartbeat(alive, stages.HEARTBEAT_S):

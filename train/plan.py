@@ -613,9 +613,9 @@ def check_train_memory(cfg: DictConfig, device: torch.device) -> Estimate:
     anything is loaded on ``device``, once the process group exists."""
     from train import dist
 
+    frees = dist.all_gather_objects(_free_memory(device))   # (first: a rank failing below fails after it)
     est = train_memory(cfg, shapes(cfg, architecture(cfg)), resolve_dtype(cfg.dtype, device),
                        dist.world_size())
-    frees = dist.all_gather_objects(_free_memory(device))
     free, need = min(frees), est.peak * cfg.planner.headroom
     top = ", ".join(f"{k} {v / GiB:.2f}" for k, v in sorted(est.items.items(), key=lambda kv: -kv[1])[:4])
     where = f"on {device}" if len(frees) == 1 else f"on rank {frees.index(free)}'s {device.type} (the least of {len(frees)})"

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -315,7 +316,7 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
         raise ValueError(f"Unknown stage(s) {unknown}; valid stages, in order: {ORDER}")
     if dist.is_main():
         migrate_markers(cfg)
-    if why := dist.broadcast(orphaned_checkpoints(cfg) if dist.is_main() else None):
+    if why := dist.on_main(lambda: orphaned_checkpoints(cfg)):
         raise UserError(why)
     results = {}
     for name in [s for s in ORDER if s in cfg.stages]:
@@ -324,7 +325,7 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
             continue
         # Rank 0 decides for all: ranks that disagreed (a run directory on NFS with stale attributes) would pair
         # the barriers of different stages, or wait for a marker of another fingerprint.
-        fp, marker = dist.broadcast(_up_to_date(cfg, name) if dist.is_main() else None)
+        fp, marker = dist.on_main(partial(_up_to_date, cfg, name))
         if marker:
             log(f"[{name}] up to date in {stage_dir(cfg, name)}; skipped")
             results[name] = marker
