@@ -238,3 +238,26 @@ def test_a_local_folder_is_told_from_its_fine_tune_and_keeps_what_was_made_for_i
         assert check_data(cfg, tokenizer)["target_fingerprint"] == fp
     with pytest.raises(Exception, match="made with another target"):
         check_data(other, tokenizer)
+
+
+@pytest.mark.parametrize("twin", list(TWINS))
+def test_online_training_sees_what_the_extract_stage_stores(twin, tmp_path):
+    """`train.online=true` computes inside training what the extract stage stores for each row (the same taps, the same
+    full-vocabulary argmax, over a padded vocabulary too), so a head trained either way trains on the same data."""
+    from data.stage import load_dataset
+    from train.extract import Captures, capture_layers
+    from train.loop import Batches
+
+    cfg = make_cfg([*TWINS[twin], *FAST, "extract.source=pass", "stages=[data,extract]", f"output_root={tmp_path}"])
+    run_stages(cfg)
+    target, cpu = load_target(cfg), torch.device("cpu")
+    layers, train = capture_layers(cfg, target.config), load_dataset(cfg)["train"]
+    rows = list(range(min(5, len(train))))
+    offline = Batches("train", train, Captures(stage_dir(cfg, "extract")), None, layers, cpu)(rows)
+    online = Batches("train", train, None, target, layers, cpu)(rows)
+    lengths = offline["lengths"]
+    valid = torch.arange(int(lengths.max()))[None] < lengths[:, None]
+    assert torch.equal(online["input_ids"], offline["input_ids"]) and valid.sum() > 50
+    torch.testing.assert_close(online["states"][valid], offline["states"][valid].to(online["states"].dtype),
+                               atol=1e-5, rtol=1e-4)
+    assert torch.equal(online["argmax"][valid], offline["argmax"][valid])
