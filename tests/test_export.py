@@ -684,8 +684,8 @@ def test_a_llama_targets_export_carries_its_license_terms(cfg_factory, tmp_path,
     assert sorted(sent) == ["LICENSE", "README.md", "USE_POLICY.md", "config.json", "model.safetensors"]
     # a target whose cache from_pretrained filled (weights and config, no LICENSE): publish refuses, naming the fix
     (stage_dir(cfg, "export") / "vllm" / "LICENSE").unlink()
-    with pytest.raises(PublishError, match=r"holds no copy of the Llama 3.1 license.*hf download "
-                                           r"meta-llama/Llama-3.1-8B-Instruct LICENSE USE_POLICY.md --local-dir"):
+    with pytest.raises(PublishError, match=rf"holds no copy of the Llama 3.1 license.*hf download meta-llama/"
+                                           rf"Llama-3.1-8B-Instruct LICENSE USE_POLICY.md --local-dir {local}`.*force=\[export\]"):
         run_stages(OmegaConf.merge(publish, {"publish": {"dry_run": False, "token": "hf_test"}}))
 
 
