@@ -522,7 +522,7 @@ def test_worker_count_shares_the_node_between_ranks(monkeypatch):
 
     from data.stage import POOL_MIN_ROWS, worker_count
 
-    monkeypatch.setattr("os.cpu_count", lambda: 64)
+    monkeypatch.setattr("train.dist.cpus", lambda: 64)   # the CPUs this process may use
     auto = OmegaConf.create({"num_proc": None})
     assert worker_count(auto, POOL_MIN_ROWS - 1) == 1
     assert worker_count(auto, POOL_MIN_ROWS) == 32
