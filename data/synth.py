@@ -204,6 +204,13 @@ class BatchFiles:
         return self.batches
 
 
+def marks_template(ids: list[int], tokenizer, eos: set[int]) -> bool:
+    """Whether a written prompt's ``ids`` hold one of the tokenizer's added tokens other than its stops (a chat-template
+    marker, ``<think>``, a reserved special token): the model continued the template instead of writing a user's
+    question, and decoding would drop (special tokens) or keep (``<think>``) the marker in the prompt's text."""
+    return not (set(ids) & set(tokenizer.added_tokens_decoder)).issubset(eos)
+
+
 def _eos_ids(generation_config, tokenizer, suffix: str) -> set[int]:
     """EOS ids (as regeneration stops) plus the token that ends a user turn (the first special token after
     the user content)."""
@@ -281,7 +288,8 @@ class TargetWriter:
             answers = self.done.pop(b)
             del self.asked[b]
             yield b, [{"text": tokenizer.decode(a.tokens, skip_special_tokens=True).strip(), "tokens": len(a.tokens),
-                       "hit_eos": a.hit_eos} for a in (answers[k] for k in range(len(answers)))]
+                       "hit_eos": a.hit_eos, "template_token": marks_template(a.tokens, tokenizer, eos)}
+                      for a in (answers[k] for k in range(len(answers)))]
 
 
 class ServerWriter:
@@ -326,7 +334,8 @@ class ServerWriter:
             outs = []
             for answer in self.asked[b]:
                 message, n, hit_eos = client.answer(answer.result(), tokenizer, eos)
-                outs.append({"text": message["content"].strip(), "tokens": n, "hit_eos": hit_eos})
+                outs.append({"text": message["content"].strip(), "tokens": n, "hit_eos": hit_eos,
+                             "template_token": marks_template(answer.result().get("token_ids") or [], tokenizer, eos)})
             del self.asked[b]
             yield b, outs
 
@@ -428,7 +437,8 @@ def _synthesize(writer: TargetWriter | ServerWriter, tokenizer, s: dict, path: P
             for k, o in enumerate(outs):
                 if len(kept) >= s["n"]:
                     break
-                reason = "truncated" if not o["hit_eos"] else filt.check(o["text"])
+                reason = ("truncated" if not o["hit_eos"] else "template_token" if o.get("template_token")
+                          else filt.check(o["text"]))   # (batches cached before template_token: as then)
                 if reason:
                     dropped[reason] += 1
                     continue
@@ -462,6 +472,7 @@ class Synthesizer:
 
     def __init__(self, cfg, tokenizer, client=None):
         self.cfg, self.tokenizer, self.client, self.stats = cfg, tokenizer, client, {}
+        self.sources: dict[Path, str] = {}   # cache -> the source that wrote it in this run
 
     def __call__(self, source: dict, name: str) -> Iterator[tuple[str, dict]]:
         from data.engines import LocalTarget, OpenAIClient, generation_config
@@ -473,6 +484,11 @@ class Synthesizer:
         directory = dcfg.get("synth_dir") or Path(dcfg.regen.dir).parent / "synth"
         path = found_cache([cache_file(directory, fp, s, as_written) for as_written in (False, True)
                             for fp in target_fingerprints(self.cfg)])
+        if path in self.sources:   # the same settings and seed write the same prompts: the second source's rows
+            raise DataError(f"synth sources {self.sources[path]!r} and {name!r} would write the same prompts (the same "
+                            f"settings and seed, one cache {path}), and the second's be dropped as duplicates: give "
+                            "one its own seed (e.g. seed: 1), or make them one source")
+        self.sources[path] = name
         path.parent.mkdir(parents=True, exist_ok=True)
         # Under a launcher with hf regeneration every rank reads the sources: they write the batches together
         # (rank r the batches b = r mod world) and each filters all of them (every rank has the same prompts).

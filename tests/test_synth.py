@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import data.synth as synth
-from data.formats import read_jsonl
+from data.formats import DataError, read_jsonl
 from data.regenerate import Answer
 from data.template import prompt_ids, render, set_thinking, tokenize_conversation, user_turn_prefix
 from train.stages import run_stages
@@ -529,3 +529,32 @@ def test_a_vllm_data_stage_with_everything_cached_starts_no_server(fake_generate
     assert stats["regeneration"]["backend"] == "vllm" and stats["regeneration"]["generated"] == 0
     assert stats["regeneration"]["server_log"] is None and stats["synth"]["synth"]["batches_generated"] == 0
     assert not fake_generate
+
+
+def test_a_written_prompt_holding_a_template_token_is_dropped(monkeypatch, tmp_path):
+    """A target continuing the chat template (`<|im_start|>assistant ...`, Qwen3's `<think>`) writes no user question;
+    decoding drops special tokens from the text, so the text alone cannot tell: the ids do."""
+    tok = _build_tiny_tokenizer("chatml")
+    marker = tok.convert_tokens_to_ids("<|im_start|>")
+
+    def fake(model, queue, rows, refill, max_new_tokens, eos_ids, pad_id, temperature, top_p, generator):
+        while queue:
+            job, _ = queue.popleft()
+            ids = tok(POOL[(4 * job[0] + job[1]) % len(POOL)], add_special_tokens=False)["input_ids"]
+            yield [(job, Answer(([marker] if job[1] % 2 else []) + ids, True))]
+
+    monkeypatch.setattr(synth, "stream", fake)
+    kept, stats = synth.synthesize(writer(FakeModel()), tok, settings(n=4), tmp_path / "c.jsonl")
+    assert len(kept) == 4 and stats["dropped"]["template_token"] >= 4
+    assert all(int(p["id"].rsplit("-", 1)[1]) % 2 == 0 for p in kept)   # only the rows written without a marker
+
+
+def test_two_synth_sources_writing_the_same_prompts_are_refused(fake_generate, cfg_factory):
+    """The same settings and seed write the same prompts: a second source (say, for validation) would get the
+    first's and see them dropped as duplicates. Refused, naming the seed; with its own seed it runs."""
+    base = ["model=tiny-qwen2", "stages=[data]", "data.regen.max_new_tokens=4", "head.draft_vocab_size=40",
+            "data.thinking=false"]
+    two = "{type:synth,n:4,batch_size:4,min_chars:5},{type:synth,name:held,split:validation,n:2,batch_size:4,min_chars:5"
+    with pytest.raises(DataError, match=r"synth sources 'synth' and 'held' would write the same prompts.*own seed"):
+        run_stages(cfg_factory(*base, f"data.sources=[{two}}}]"))
+    run_stages(cfg_factory(*base, f"data.sources=[{two},seed:1}}]", "force=[data]"))
