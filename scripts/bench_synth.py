@@ -52,7 +52,7 @@ def main() -> None:
         print(json.dumps({"prompts": len(kept), "attempts": st["attempts"], "wall_s": round(wall, 1),
                           "prompts_per_s": round(len(kept) / wall, 2), "passes": passes[0], "decode_passes": len(rows),
                           "rows_per_decode_pass": round(sum(rows) / max(len(rows), 1), 1),
-                          "distinct_2": st["distinct_2"], "tokens_mean": st["tokens_mean"]}))
+                          "distinct_2": st["distinct_2"], "tokens_mean": st["tokens_mean"], "dropped": st["dropped"]}))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
