@@ -76,6 +76,9 @@ class RequestRefused(RegenError):
         super().__init__(message)
         self.code = code
 
+    def __reduce__(self):
+        return type(self), (self.args[0], self.code)
+
 
 SETTINGS_FAULTS = (401, 403, 404)  # no token, no access, no such model or route: a run's settings, not a row
 
@@ -518,10 +521,11 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
 
     ``on_error="skip"`` (``data.on_error``): a conversation the server refuses (HTTP 4xx: that request is wrong) or
     the chat template cannot render is left out instead of stopping the run: its key and reason go to
-    ``stats["refused"]`` and to :func:`refused_file` (a rerun leaves those out without asking; delete the file to ask
-    them again), its answers so far stay in the cache, unfinished. A refusal every request would get (HTTP 401, 403,
-    404: the token, the model name) stops the run, and so does a server refusing more requests than it answers once
-    ``max(100, 2 x concurrency)`` have come back (refusals come back at once, answers after seconds).
+    ``stats["refused"]`` and, once the run has ended without error, to :func:`refused_file` (a rerun leaves those
+    out without asking; delete the file to ask them again); its answers so far stay in the cache, unfinished. A
+    refusal every request would get (HTTP 401, 403, 404: the token, the model name) stops the run, and so does a
+    server refusing more requests than it answers (at least 10): judged once ``max(100, 2 x concurrency)`` have come
+    back (refusals come back at once, answers after seconds), or at the end of a shorter run.
     """
     state, stats = pending(convs, system_prompt, path, max_length)
     refused_path = refused_file(path)
@@ -530,6 +534,7 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
         before = {r["key"]: r["reason"] for r in read_jsonl(refused_path)}
         refused.update({k: before[k] for k in state if k in before})
         state = {k: r for k, r in state.items() if k not in before}
+        stats["generated"] = len(state)
     if not state:
         return stats
     client.halt.clear()   # (set by an earlier failure of this client)
@@ -544,6 +549,13 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
     start = time.time()
     outcomes = {"answered": 0, "refused": 0}   # this run's requests
     judged_after = max(100, 2 * client.concurrency)
+    listed = {}   # this run's refusals: listed in refused_path once the run has ended well (not the server's fault)
+
+    def too_many(reason: str) -> RegenError | None:
+        if outcomes["refused"] >= 10 and outcomes["refused"] > outcomes["answered"]:
+            return RegenError(f"the server refused {outcomes['refused']} requests and answered {outcomes['answered']}; "
+                              f"the last: {reason}")
+        return None
 
     def refuse(row: dict, turn: int, reason: str, code: int | None = None) -> None:
         """Leave conversation ``row`` out (on_error=skip), or stop the run naming the fix."""
@@ -553,14 +565,11 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
             raise RegenError(f"conversation {row['key']}: {reason}. Set data.on_error=skip to leave out and count "
                              "the conversations the server or the template refuses")
         with lock:
-            refused[row["key"]] = reason
+            listed[row["key"]] = reason
             outcomes["refused"] += 1
-            with appending(refused_path) as g:   # (not fsynced: one lost is asked again)
-                g.write(json.dumps({"key": row["key"], "reason": reason}) + "\n")
             bar.update(len(row["users"]) - turn)
-            if sum(outcomes.values()) >= judged_after and outcomes["refused"] > outcomes["answered"]:
-                raise RegenError(f"the server refused {outcomes['refused']} requests and answered "
-                                 f"{outcomes['answered']}; the last: {reason}")
+            if sum(outcomes.values()) >= judged_after and (error := too_many(reason)):
+                raise error
 
     def converse(row: dict, f) -> None:
         for turn in range(_answered(row), len(row["users"])):
@@ -617,10 +626,16 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
     bar.close()
     stats["seconds"] = round(time.time() - start, 1)
     stats["tokens_per_s"] = round(stats["new_tokens"] / max(stats["seconds"], 1e-9), 1)
+    if not errors and listed and (error := too_many(next(reversed(listed.values())))):  # a run too short to judge
+        errors.append(error)
     if errors:
         written = sum(1 for r in read_cache(path).values() if r.get("complete"))
         raise RegenError(f"regeneration through {client.base} failed: {errors[0]}. {written} complete "
                          f"conversations are kept in {path}; rerun to resume") from errors[0]
+    if listed:
+        with appending(refused_path) as g:
+            g.writelines(json.dumps({"key": key, "reason": reason}) + "\n" for key, reason in listed.items())
+        refused.update(listed)
     if refused:
         log(f"[data] left out {len(refused)} conversations the server or the template refused (data.on_error=skip), "
             f"each with its reason in {refused_path} (delete it to ask them again); the first: "

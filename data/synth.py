@@ -215,10 +215,15 @@ class BatchFiles:
 
 
 def marks_template(ids: list[int], tokenizer, eos: set[int]) -> bool:
-    """Whether a written prompt's ``ids`` hold one of the tokenizer's added tokens other than its stops (a chat-template
-    marker, ``<think>``, a reserved special token): the model continued the template instead of writing a user's
-    question, and decoding would drop (special tokens) or keep (``<think>``) the marker in the prompt's text."""
-    return not (set(ids) & set(tokenizer.added_tokens_decoder)).issubset(eos)
+    """Whether a written prompt's ``ids`` hold a template marker other than its stops: a special added token (a
+    chat-template marker, a reserved token) or an added token the chat template writes (Qwen3's ``<think>``). The
+    model continued the template instead of writing a user's question, and decoding would drop (special tokens) or
+    keep (``<think>``) the marker in the prompt's text. Added tokens of plain text (Gemma's newlines and spaces) are
+    not markers."""
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    marks = {i for i, t in tokenizer.added_tokens_decoder.items()
+             if t.special or (t.content.strip() and t.content in template)}
+    return not (set(ids) & marks).issubset(eos)
 
 
 def _eos_ids(generation_config, tokenizer, suffix: str) -> set[int]:

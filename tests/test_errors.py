@@ -262,6 +262,30 @@ def test_the_entry_point_reads_the_schedulers_ranks_first(tmp_path):
     assert "4 processes started by srun (SLURM_STEP_NUM_TASKS=4) without MASTER_ADDR and MASTER_PORT" in line
 
 
+def test_a_launcher_of_several_processes_that_names_no_rank_is_refused(monkeypatch):
+    """PMI_SIZE=4 from an MPI launcher that sets no PMI_RANK/MPI_LOCALRANKID, and no srun: each would be rank 0."""
+    from train import dist
+
+    no_launcher(monkeypatch)
+    monkeypatch.setenv("PMI_SIZE", "4")
+    with pytest.raises(UserError, match=r"PMI_SIZE=4 processes, but no PMI_RANK and MPI_LOCALRANKID"):
+        dist.adopt_scheduler()
+
+
+def test_an_error_that_cannot_cross_to_the_other_ranks_crosses_as_text():
+    from train import dist
+
+    class Unpicklable(Exception):
+        def __reduce__(self):
+            raise TypeError("no")
+
+    def fails():
+        raise Unpicklable("rank 0's reason")
+
+    with pytest.raises(RuntimeError, match="Unpicklable: rank 0's reason"):
+        dist.on_main(fails)
+
+
 def test_a_batch_script_of_several_tasks_is_one_process(monkeypatch):
     """sbatch --ntasks=8 running `python train/run.py` itself (no srun): Slurm's job variables alone say nothing of
     ranks, and under deepspeed or torchrun (WORLD_SIZE set) nothing is touched."""

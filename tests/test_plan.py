@@ -231,6 +231,17 @@ def test_every_rank_refuses_when_one_rank_is_short(cfg_factory, monkeypatch):
         planner.check_train_memory(cfg, torch.device("cpu"))
 
 
+def test_online_training_counts_the_embedding_its_head_shares_once(cfg_factory):
+    """Online, the EAGLE-3 head embeds with the target's own embedding: counted in the target's weights, not again
+    in the head's (1.09 GB per rank at Qwen2.5-7B, enough for planner.enforce to refuse a run that fits)."""
+    items = {}
+    for online in (False, True):
+        cfg = cfg_factory("model=qwen2.5-7b", "device=cpu", f"train.online={str(online).lower()}")
+        sh = planner.shapes(cfg, planner.architecture(cfg))
+        items[online] = planner.train_memory(cfg, sh, torch.bfloat16, 1).items["head frozen weights"]
+    assert items[False] - items[True] == sh.config.vocab_size * sh.config.hidden_size * 2
+
+
 def test_peak_tensor_memory_counts_new_storages_only():
     before = torch.zeros(1000)
     with planner.peak_tensor_memory() as m:

@@ -269,20 +269,24 @@ def test_fast_refusals_do_not_stop_a_server_that_answers(tiny, tmp_path):
     assert len(stats["refused"]) == 20 and len(read_cache(tmp_path / "c.jsonl")) == 40
 
 
-@pytest.mark.parametrize("code, asked", [(400, 100), (404, 1)])
-def test_a_server_refusing_more_than_it_answers_stops_the_run(tiny, tmp_path, code, asked):
+@pytest.mark.parametrize("code, convs, asked", [(400, 130, 100), (400, 12, 12), (404, 130, 1)])
+def test_a_server_refusing_more_than_it_answers_stops_the_run(tiny, tmp_path, code, convs, asked):
     """on_error=skip leaves out single refusals, not a server (or settings) that refuses everything: a refusal every
-    request gets (404: no such model) at once, others once 100 requests came back mostly refused."""
+    request gets (404: no such model) at once, others once 100 requests came back mostly refused, or at the end of a
+    shorter run. Nothing is listed as refused: a rerun against the mended server asks them all."""
+    from data.engines import refused_file
+
     _, tok, rcfg, eos = tiny
-    convs = [{"messages": [{"role": "user", "content": f"q {i}"}]} for i in range(130)]
+    rows = [{"messages": [{"role": "user", "content": f"q {i}"}]} for i in range(convs)]
     stub = stub_for(tiny, status=lambda body, n: code)
     try:
         with pytest.raises(RegenError, match=rf"HTTP {code}"):
-            regenerate_openai(convs, tok, rcfg, None, tmp_path / "c.jsonl", OpenAIClient(stub.url, None, 30, 0, 1),
+            regenerate_openai(rows, tok, rcfg, None, tmp_path / "c.jsonl", OpenAIClient(stub.url, None, 30, 0, 1),
                               eos, on_error="skip")
     finally:
         stub.close()
     assert asked <= len(stub.requests) <= asked + 1   # (the one worker may have taken the next before the stop)
+    assert not refused_file(tmp_path / "c.jsonl").exists()
 
 
 def test_a_server_down_for_a_while_is_retried_and_said_so(tiny, reference, tmp_path, caplog):

@@ -576,6 +576,20 @@ def test_a_written_prompt_holding_a_template_token_is_dropped(monkeypatch, tmp_p
     assert all(int(p["id"].rsplit("-", 1)[1]) % 2 == 0 for p in kept)   # only the rows written without a marker
 
 
+def test_template_markers_are_special_tokens_or_the_templates_own():
+    """A marker: a special added token, or an added token the chat template writes (Qwen3's <think>); not an added
+    token of plain text (Gemma lists newlines and runs of spaces), nor the stop the answer ended on."""
+    from tokenizers import AddedToken
+
+    tok = _build_tiny_tokenizer("chatml")
+    tok.add_tokens([AddedToken("\n\n", special=False), AddedToken("<think>", special=False)])
+    tok.chat_template = tok.chat_template + "{% if false %}<think>{% endif %}"
+    ids = tok("How do I sort a list?", add_special_tokens=False)["input_ids"]
+    eos = {tok.convert_tokens_to_ids("<|im_end|>")}
+    for token, marks in (("\n\n", False), ("<think>", True), ("<|im_start|>", True), ("<|im_end|>", False)):
+        assert synth.marks_template(ids + [tok.convert_tokens_to_ids(token)], tok, eos) is marks, token
+
+
 def test_two_synth_sources_writing_the_same_prompts_are_refused(fake_generate, cfg_factory):
     """The same settings and seed write the same prompts: a second source (say, for validation) would get the
     first's and see them dropped as duplicates. Refused, naming the seed; with its own seed it runs."""

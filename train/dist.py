@@ -9,6 +9,7 @@ rank 0 and broadcast with :func:`broadcast`.
 from __future__ import annotations
 
 import os
+import pickle
 from datetime import timedelta
 
 import torch
@@ -44,9 +45,15 @@ def adopt_scheduler() -> None:
     launcher or torchrun."""
     if "WORLD_SIZE" in os.environ:
         return
+    several = [names for names in SCHEDULERS.values() if int(os.environ.get(names[0]) or 1) > 1]
     name = next((name for name, names in SCHEDULERS.items()
-                 if int(os.environ.get(names[0]) or 1) > 1 and all(v in os.environ for v in names[1:3])), None)
+                 if names in several and all(v in os.environ for v in names[1:3])), None)
     if name is None:
+        if several:   # a launcher of several processes that does not say which one this is
+            size, rank_, local, _ = several[0]
+            raise UserError(f"{size}={os.environ[size]} processes, but no {rank_} and {local} to tell this one's rank "
+                            "and GPU: export RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT to each process, "
+                            "or launch with deepspeed or torchrun")
         return
     size, rank_, local, local_size = SCHEDULERS[name]
     n = os.environ[size]
@@ -201,6 +208,10 @@ def on_main(fn):
         try:
             out = (fn(), None)
         except Exception as e:
+            try:
+                pickle.dumps(e)
+            except Exception:   # an error that cannot cross to the other ranks: its text does
+                e = RuntimeError(f"{type(e).__name__}: {e}")
             out = (None, e)
     value, error = broadcast(out)
     if error is not None:

@@ -363,8 +363,10 @@ def train_memory(cfg: DictConfig, sh: Shapes, dtype: torch.dtype, world: int) ->
                      "offline: only the embedding, lm_head and final norm are read, on the host, and released")
     static += est.add("draft lm_head rows", V * H * s, f"the target's lm_head rows of the {V} draft ids")
     static += est.add("head trainable weights", P * s, f"{_count(P)} x {_name(dtype)}")
-    static += est.add("head frozen weights", sh.frozen * s + sh.buffer_bytes,
-                      f"{_count(sh.frozen)} x {_name(dtype)} (the target's embedding) + vocabulary maps")
+    shared = sh.config.vocab_size * H if tc.online and kind == "eagle3" else 0   # online: the target's own embedding
+    static += est.add("head frozen weights", (sh.frozen - shared) * s + sh.buffer_bytes,
+                      f"{_count(sh.frozen - shared)} x {_name(dtype)} (the target's embedding"
+                      + (", shared with the online target: not counted" if shared else "") + ") + vocabulary maps")
     static += est.add("optimizer states", P * ((2 * F32 + (F32 if s < F32 else 0)) / shard(1) + (F32 if fp32_accum else 0)),
                       "AdamW m, v" + (" + fp32 master weights" if s < F32 else "") + (" + fp32 gradients" if fp32_accum else "")
                       + (f"; ZeRO-{zero} over {world} ranks" if zero and world > 1 else ""))

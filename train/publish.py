@@ -113,6 +113,7 @@ def run(cfg: DictConfig) -> dict:
     if card_license(cfg) == "llama3.1" and not any((folder / n).exists() for n in LICENSE_FILES if n != "USE_POLICY.md"):
         # the target's files hold no LICENSE where from_pretrained filled the cache (it fetches weights and config)
         where = f" --local-dir {cfg.model.path}" if cfg.model.get("path") else ""   # (else: the Hub cache, read offline)
+        where += f" --revision {cfg.model.revision}" if cfg.model.get("revision") else ""   # the snapshot it reads
         fetch = (f"`hf download {cfg.model.hub_id} LICENSE USE_POLICY.md{where}`" if cfg.model.hub_id else
                  f"copy the Llama 3.1 LICENSE and USE_POLICY.md into {cfg.model.get('path') or 'the target folder'}")
         terms = (f"{folder} holds no copy of the Llama 3.1 license, which its terms ask to ship with what is built on "
