@@ -58,7 +58,7 @@ def source(tmp_path_factory):
 
 def test_every_script_has_a_smoke_test():
     """A new script gets a test here (or a reason not to)."""
-    covered = {"_bench.py", "compare_heads.py", "bench_batching.py", "bench_data.py", "bench_decode.py", "bench_extract.py", "bench_gpu_scale.py",
+    covered = {"_bench.py", "compare_heads.py", "bench_batching.py", "bench_data.py", "bench_decode.py", "bench_dedup.py", "bench_extract.py", "bench_gpu_scale.py",
                "bench_levers.py", "bench_regen_mask.py", "bench_synth.py", "bench_train.py", "bench_ttt_attention.py", "gpu_check.sh", "learning_curve.py",
                "setup_env.sh", "setup_vllm_env.sh", "vllm_check.py"}   # vllm_check.py: tests/test_vllm_check.py
     assert {p.name for p in SCRIPTS.iterdir() if p.is_file()} <= covered
@@ -116,6 +116,15 @@ def test_bench_synth():
                                 "data.regen.batch_size=12").strip().splitlines()[-1])
     assert 1 <= out["prompts"] <= 6 < out["attempts"] and out["decode_passes"] > 0
     assert 4 < out["rows_per_decode_pass"] <= 12, out
+
+
+def test_bench_dedup():
+    """The filter's figures per 10k prompts and at the end; with every candidate compared, the same prompts kept and
+    more comparisons."""
+    lines = {m: run_script("bench_dedup.py", "--n", "3000", *m).strip().splitlines() for m in ((), ("--margin", "1.0"))}
+    estimated, every = (re.match(r"3000 checked: (\d+) kept, [\d.]+ s, (\d+) exact comparisons, peak RSS \d+ MB",
+                                 out[-1]).groups() for out in lines.values())
+    assert estimated[0] == every[0] and int(estimated[1]) < int(every[1]), lines
 
 
 def test_bench_data():
