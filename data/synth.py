@@ -35,6 +35,7 @@ on any rank count reads the cache and every part file.
 from __future__ import annotations
 
 import concurrent.futures as futures
+import functools
 import hashlib
 import json
 import os
@@ -220,10 +221,15 @@ def marks_template(ids: list[int], tokenizer, eos: set[int]) -> bool:
     model continued the template instead of writing a user's question, and decoding would drop (special tokens) or
     keep (``<think>``) the marker in the prompt's text. Added tokens of plain text (Gemma's newlines and spaces) are
     not markers."""
+    return not (set(ids) & _template_marks(tokenizer)).issubset(eos)
+
+
+@functools.lru_cache(maxsize=8)
+def _template_marks(tokenizer) -> frozenset[int]:
+    """The ids :func:`marks_template` looks for, once per tokenizer (not per prompt: 256 added tokens for Llama-3)."""
     template = str(getattr(tokenizer, "chat_template", None) or "")
-    marks = {i for i, t in tokenizer.added_tokens_decoder.items()
-             if t.special or (t.content.strip() and t.content in template)}
-    return not (set(ids) & marks).issubset(eos)
+    return frozenset(i for i, t in tokenizer.added_tokens_decoder.items()
+                     if t.special or (t.content.strip() and t.content in template))
 
 
 def _eos_ids(generation_config, tokenizer, suffix: str) -> set[int]:
