@@ -19,6 +19,7 @@ the TARGET's chat template by :func:`data.template.prompt_ids`, and the same sam
 from __future__ import annotations
 
 import concurrent.futures as futures
+import email.utils
 import functools
 import http.client
 import json
@@ -349,10 +350,27 @@ def regenerate_sharded(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
 
 # --- an OpenAI-compatible server ------------------------------------------------------------------------
 
+MAX_RETRY_AFTER_S = 300.0   # a server's Retry-After longer than this stops the run (a quota), shorter ones are waited
+
+
+def retry_after(value: str | None) -> float:
+    """Seconds an HTTP ``Retry-After`` header asks to wait (seconds or an HTTP date; 0: none or unreadable)."""
+    if not value:
+        return 0.0
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return 0.0
+
+
 class OpenAIClient:
     """A minimal client of an OpenAI-compatible server (standard library only), with a per-request
-    timeout, retries with back-off on connection errors, timeouts, HTTP 429 and 5xx, and errors that
-    say what went wrong.
+    timeout, retries with back-off on connection errors, timeouts, HTTP 408, 429 and 5xx (never sooner than the
+    server's ``Retry-After``; one beyond ``MAX_RETRY_AFTER_S`` stops the run), and errors that say what went wrong.
 
     Prompts go to ``/v1/completions`` as TOKEN IDS rendered here by the target's own chat template
     (:func:`data.template.prompt_ids`), not to ``/v1/chat/completions``: the chat endpoint would render the
@@ -384,16 +402,18 @@ class OpenAIClient:
     def _request(self, route: str, body: dict | None = None) -> dict:
         url = f"{self.base}/{route}"
         data = None if body is None else json.dumps(body).encode()
-        last, tries, timeouts = "", 0, 0
+        last, tries, timeouts, asked_wait = "", 0, 0, 0.0
         # a server that timed out twice is hung or far too loaded: retried on, it would be 9 x timeout_s of silence
         while tries <= self.retries and timeouts < 2:
             if tries:
                 self._note_retry(last, tries)
                 # jittered (threads failing together do not come back together), capped: an engine restart or a
-                # load balancer's 502s for a minute or two are outlived; a halt (the run stopping) ends the wait
-                if self.halt.wait(min(self.backoff_s * 2 ** (tries - 1), 60.0) * random.uniform(0.5, 1.0)):
+                # load balancer's 502s for a minute or two are outlived; not before the server's Retry-After; a halt
+                # (the run stopping) ends the wait
+                backoff = min(self.backoff_s * 2 ** (tries - 1), 60.0) * random.uniform(0.5, 1.0)
+                if self.halt.wait(max(backoff, asked_wait * random.uniform(1.0, 1.2))):
                     break
-            tries += 1
+            tries, asked_wait = tries + 1, 0.0
             if self.server is not None:
                 self.server.check()  # a server of ours that died: its log, not retries and "cannot reach"
             req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
@@ -406,6 +426,10 @@ class OpenAIClient:
                 last = f"HTTP {e.code} from {url}: {text}"
                 if e.code not in (408, 429) and e.code < 500:  # the request itself is wrong: retrying would not help
                     raise RequestRefused(last, e.code) from None
+                asked_wait = retry_after(e.headers.get("Retry-After"))
+                if asked_wait > MAX_RETRY_AFTER_S:   # a quota, not a moment of load: the run would sit silent
+                    raise RegenError(f"{last}: the server asks to be asked again in {asked_wait:.0f} s (Retry-After); "
+                                     "rerun then (what was answered is kept)") from None
             except (TimeoutError, urllib.error.URLError) as e:
                 if isinstance(e, TimeoutError) or isinstance(e.reason, (TimeoutError, socket.timeout)):
                     last, timeouts = f"no answer from {url} within data.regen.timeout_s={self.timeout_s:g} s", timeouts + 1
@@ -624,8 +648,11 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
                     if not job.cancelled() and job.exception() is not None and not errors:
                         errors.append(job.exception())
                         halt()
-            except BaseException:  # Ctrl-C: no new turn starts, no retry; the requests in flight end within timeout_s
+            except BaseException as e:  # Ctrl-C: no new turn starts, no retry; the requests in flight end within timeout_s
                 halt()
+                if isinstance(e, KeyboardInterrupt):
+                    log(f"[data] stopping: no request starts; the {sum(j.running() for j in jobs)} in flight are awaited "
+                        f"and their answers kept (at most data.regen.timeout_s={client.timeout_s:g} s)")
                 raise
     finally:
         client.halt.clear()

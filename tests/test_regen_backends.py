@@ -7,6 +7,8 @@ DeepSpeed CPU ranks against 1 process, and the ``vllm`` backend on the default t
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import hashlib
 import json
 import os
@@ -41,15 +43,16 @@ class Stub:
     text, ``text(ids)``; ``text_only``: the text alone (a server without return_token_ids). ``answer(body)``: (new
     ids, hit_eos) instead of the model's generation. ``most_in_flight``: the most requests it held at once;
     ``arrived``: when each request came (time.monotonic); ``status(body, n)``: an HTTP error code for the n-th request
-    (None: answered)."""
+    (None: answered), sent with the header ``Retry-After: retry_after`` where set."""
 
     def __init__(self, model, pad_id: int, text: Callable[[list[int]], str],
                  fail_after: int | None = None, delay_s: float | Callable[[dict], float] = 0.0,
                  max_model_len: int | None = None,
                  abort: int | None = None, text_only: bool = False,
                  answer: Callable[[dict], tuple[list[int], bool]] | None = None,
-                 status: Callable[[dict, int], int | None] = lambda body, n: None):
+                 status: Callable[[dict, int], int | None] = lambda body, n: None, retry_after: str | None = None):
         self.model, self.pad_id, self.text, self.text_only, self.status = model, pad_id, text, text_only, status
+        self.retry_after = retry_after
         self.fail_after, self.delay_s, self.max_model_len, self.abort = fail_after, delay_s, max_model_len, abort
         self.answer = answer or self.generate
         self.requests: list[dict] = []
@@ -62,9 +65,11 @@ class Stub:
             def log_message(self, *args):
                 pass
 
-            def reply(self, code: int, body: dict | str):
+            def reply(self, code: int, body: dict | str, headers: dict | None = None):
                 data = (body if isinstance(body, str) else json.dumps(body)).encode()
                 self.send_response(code)
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -83,7 +88,8 @@ class Stub:
                     if stub.fail_after is not None and n > stub.fail_after:
                         return self.reply(500, "boom: the engine died")
                     if code := stub.status(body, n):
-                        return self.reply(code, f"HTTP {code} for this request")
+                        return self.reply(code, f"HTTP {code} for this request",
+                                          {"Retry-After": stub.retry_after} if stub.retry_after else None)
                     if stub.max_model_len and len(body["prompt"]) + body["max_tokens"] > stub.max_model_len:
                         return self.reply(400, "Requested token count exceeds the model's maximum context length")
                     new, hit_eos = stub.answer(body)
@@ -301,6 +307,54 @@ def test_a_server_down_for_a_while_is_retried_and_said_so(tiny, reference, tmp_p
         stub.close()
     assert read_cache(tmp_path / "c.jsonl") == reference
     assert [r.message for r in caplog.records if "retrying requests" in r.message][0].endswith("HTTP 503 for this request")
+
+
+def test_a_server_asking_to_wait_is_not_asked_again_sooner(tiny, reference, tmp_path):
+    """HTTP 429 with Retry-After (a rate-limiting gateway): the retry waits what the server asked, not the back-off."""
+    _, tok, rcfg, eos = tiny
+    stub = stub_for(tiny, status=lambda body, n: 429 if n == 1 else None, retry_after="1")
+    try:
+        regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl",
+                          OpenAIClient(stub.url, None, 30, 2, 1, backoff_s=0.01), eos)
+    finally:
+        stub.close()
+    assert read_cache(tmp_path / "c.jsonl") == reference
+    assert stub.arrived[1] - stub.arrived[0] >= 1.0
+
+
+def test_a_server_asking_to_wait_for_long_stops_the_run_at_once(tiny, tmp_path):
+    """A Retry-After of an hour (a quota) is not waited out in silence: the run stops and says so."""
+    _, tok, rcfg, eos = tiny
+    later = email.utils.format_datetime(datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1),
+                                        usegmt=True)
+    stub = stub_for(tiny, status=lambda body, n: 429, retry_after=later)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RegenError, match=r"asked again in 3[56]\d\d s \(Retry-After\)"):
+            regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl",
+                              OpenAIClient(stub.url, None, 30, 8, 1, backoff_s=0.01), eos)
+    finally:
+        stub.close()
+    assert time.monotonic() - start < 5.0 and len(stub.requests) <= 2   # (the next may have started before the stop)
+
+
+def test_ctrl_c_starts_no_request_and_keeps_the_answers_in_flight(tiny, reference, tmp_path, caplog):
+    """Ctrl-C while 3 requests are in flight: no new one starts, the 3 answers come back and are written."""
+    _, tok, rcfg, eos = tiny
+    stub = stub_for(tiny, delay_s=1.0)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()   # (a real signal: it wakes the main thread)
+    try:
+        with caplog.at_level("INFO", logger="specheads"), pytest.raises(KeyboardInterrupt):
+            regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl", OpenAIClient(stub.url, None, 30, 0, 3), eos)
+    finally:
+        stub.close()
+    assert len(stub.requests) == 3
+    kept = read_cache(tmp_path / "c.jsonl")
+    def texts(row: dict) -> list[str]:
+        return [m["content"] for m in row["messages"][:2]]
+
+    assert len(kept) == 3 and all(texts(kept[k]) == texts(reference[k]) for k in kept)
+    assert any("the 3 in flight are awaited" in r.message for r in caplog.records)
 
 
 def test_a_failure_ends_the_other_requests_back_off(tiny, tmp_path):
