@@ -346,6 +346,9 @@ def test_a_failure_on_rank_0_is_raised_on_every_rank(tmp_path):
 
 @pytest.mark.parametrize("overrides, error", [
     (["model.path=/models/Llama-3.1-8B-Instruct"], r"read with model.source=hf only .*embedded SmolLM2-135M would train"),
+    (["model.hub_id=Qwen/Qwen2.5-7B-Instruct"], r"model.hub_id=Qwen/Qwen2.5-7B-Instruct is read with model.source=hf "
+                                                r"only .*embedded SmolLM2-135M would train, its exports and cards"),
+    (["model=qwen2.5-7b", "model.hub_id=me/my-qwen-finetune"], None),       # a preset's fine-tune: fine
     (["model.source=hf", "model.hub_id=meta-llama/Llama-3.1-8B-Instruct"],
      r"keeps the default target's model.name=smollm2-135m .*train.max_minutes=9"),
     (["model=qwen2.5-7b", "model.path=/models/qwen"], None),                # a preset with a local copy: fine

@@ -326,9 +326,9 @@ def test_reach_mask_trains_later_steps_only_where_a_decoder_gets_to(tiny_llama_c
         assert torch.equal(reached(log_q0, view, 0, 1), hits(log_q0, view, 0))
         every = eagle3_loss(head, taps, ids, lengths, mask, view, 2, 0.8, "all", "kl")
         masked = eagle3_loss(head, taps, ids, lengths, mask, view, 2, 0.8, "all", "kl", reach_topk=K)
-    assert masked.losses[0] == every.losses[0]
-    assert masked.losses[1] == pytest.approx(objective("kl", log_q1, shift(view.log_p, 2), w1 * reach).item(), rel=1e-5)
-    assert masked.losses[1] != pytest.approx(every.losses[1], rel=1e-3)
+    assert masked.losses[0].item() == every.losses[0].item()
+    assert masked.losses[1].item() == pytest.approx(objective("kl", log_q1, shift(view.log_p, 2), w1 * reach).item(), rel=1e-5)
+    assert masked.losses[1].item() != pytest.approx(every.losses[1].item(), rel=1e-3)
     assert all(torch.equal(a, b) for a, b in zip(masked.correct + masked.weight, every.correct + every.weight, strict=True))
 
 
@@ -353,8 +353,8 @@ def test_feature_loss_adds_each_steps_feature_error_against_the_target_state_it_
         c = counted(lengths, mask, k, "all").float()
         err = ((head.norm(h) - shift(last, 1 + k)).pow(2).sum(-1) / shift(last, 1 + k).pow(2).sum(-1).clamp(min=1e-6))
         assert torch.allclose(feature_error(head.norm(h), shift(last, 1 + k)), err)
-        expected = plain.losses[k] + 0.5 * ((err * c).sum() / c.sum()).item()
-        assert both.losses[k] == pytest.approx(expected, rel=1e-5)
+        expected = plain.losses[k].item() + 0.5 * ((err * c).sum() / c.sum()).item()
+        assert both.losses[k].item() == pytest.approx(expected, rel=1e-5)
         assert both.losses[k] > plain.losses[k] + 1e-3
     assert all(torch.equal(a, b) for a, b in zip(both.correct + both.weight, plain.correct + plain.weight, strict=True))
     head.zero_grad()

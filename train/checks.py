@@ -205,11 +205,15 @@ def target_problems(cfg: DictConfig) -> list[str]:
     name (its run directory) and the CPU demo's 9-minute budget. A preset sets all three."""
     mcfg = OmegaConf.select(cfg, "model") or {}
     default = mcfg.get("name") == "smollm2-135m"
-    if mcfg.get("path") and mcfg.get("source") != "hf":
-        return [f"model.path={mcfg.path} is read with model.source=hf only (here model.source={mcfg.source}"
-                + (": the embedded SmolLM2-135M would train" if default else "")
-                + "): start from a preset (model=qwen2.5-7b|llama3.1-8b|qwen3-8b) and set model.path, or add "
-                "model.source=hf and model.name=<a name for its run directory>"]
+    other_hub = default and mcfg.get("hub_id") != DEFAULT_HUB_ID   # (elsewhere: a fine-tune's repo, named in cards)
+    if (mcfg.get("path") or other_hub) and mcfg.get("source") != "hf":
+        key = f"model.path={mcfg.path}" if mcfg.get("path") else f"model.hub_id={mcfg.hub_id}"
+        return [f"{key} is read with model.source=hf only (here model.source={mcfg.source}"
+                + (": the embedded SmolLM2-135M would train" + ("" if mcfg.get("path") else ", its exports and cards "
+                   "naming that repository") if default else "")
+                + "): start from a preset (model=qwen2.5-7b|llama3.1-8b|qwen3-8b) and set "
+                + key.split("=")[0] + " there, or add model.source=hf and model.name=<a name for its run directory> "
+                "(and train=full)"]
     if default and mcfg.get("source") == "hf" and (mcfg.get("path") or mcfg.hub_id != DEFAULT_HUB_ID):
         return [f"model.source=hf with {'model.path=' + str(mcfg.path) if mcfg.get('path') else 'model.hub_id=' + str(mcfg.hub_id)} "
                 "keeps the default target's model.name=smollm2-135m (its run directory) and the CPU demo's train "

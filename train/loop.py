@@ -820,8 +820,9 @@ class Trainer:
         and the progress bar."""
         n = _n_steps(self.cfg)
         sums = sum(tallies(s.correct, s.weight) for s in stats)
-        extra = [*(sum(s.losses[k] for s in stats) for k in range(n)), len(stats), self.tokens_seen - self.last_log[1]]
-        sums = dist.all_reduce_sum(torch.cat([sums.flatten(), sums.new_tensor(extra)]))
+        loss_sums = torch.stack([sum(s.losses[k] for s in stats) for k in range(n)]).to(sums)
+        extra = sums.new_tensor([len(stats), self.tokens_seen - self.last_log[1]])
+        sums = dist.all_reduce_sum(torch.cat([sums.flatten(), loss_sums, extra]))
         metrics = figures(sums[:4 * n].view(n, 4))
         *loss_sums, batches, tokens = sums[4 * n:].tolist()
         mean_losses = [v / batches for v in loss_sums]

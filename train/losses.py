@@ -104,7 +104,7 @@ def normalised(loss_k: torch.Tensor, w: torch.Tensor, norms: torch.Tensor | None
 @dataclass
 class StepStats:
     loss: torch.Tensor                 # weighted sum over steps (what is optimised)
-    losses: list[float]                # per step
+    losses: list[torch.Tensor]         # per step, detached (read at logging: no host sync per step)
     correct: list[torch.Tensor]        # per step, [B, T] bool: the draft's argmax is the target's (full vocabulary)
     weight: list[torch.Tensor]         # per step, [B, T] float: the positions the accuracy counts (:func:`counted`)
 
@@ -226,7 +226,7 @@ def eagle3_loss(head: Eagle3Head, taps: torch.Tensor, input_ids: torch.Tensor, l
         if reach_topk and k + 1 < steps:   # the last step's reach would mask nothing
             reach = reach & reached(log_q.detach(), view, k, reach_topk)
         total = total + decay**k * term
-        losses.append(loss_k.item())
+        losses.append(loss_k.detach())
         correct.append(hits(log_q, view, k))
         ws.append(c)
     return StepStats(total, losses, correct, ws)
@@ -250,7 +250,7 @@ def medusa_loss(head: MedusaHead, last: torch.Tensor, input_ids: torch.Tensor, l
             loss_k = (F.nll_loss(log_q.transpose(1, 2), draft, reduction="none") * w).sum() / w.sum().clamp(min=1.0)
         else:
             loss_k = objective(kind, log_q, shift(view.log_p, 1 + k), w)
-        losses.append(loss_k.item())
+        losses.append(loss_k.detach())
         total = total + decay**k * normalised(loss_k, w, norms, k)
         correct.append(hits(log_q, view, k))
         ws.append(counted(lengths, loss_mask, k, positions).float())
