@@ -72,6 +72,21 @@ def test_a_torn_shard_is_redone_and_force_redoes_them_all(prepared, tmp_path):
     assert all(f.stat().st_mtime_ns > before[f.name] for f in out.glob("*.safetensors")) and len(before) > 1
 
 
+def test_extract_counts_the_room_of_a_killed_data_stage_part_as_free(prepared, tmp_path, monkeypatch):
+    """A data stage killed while it wrote kept states leaves a `.part-*.tmp` (GBs per rank at 8B); the extract stage
+    deletes it before its disk check, which counted it as used."""
+    import train.extract
+
+    cfg = fresh_run(prepared, tmp_path)
+    torn = stage_dir(cfg, "data") / "captured" / ".part-1-2.safetensors.tmp"
+    torn.parent.mkdir(exist_ok=True)
+    torn.write_bytes(b"half a part")
+    seen, check = [], train.extract.check_disk
+    monkeypatch.setattr(train.extract, "check_disk", lambda *a, **k: seen.append(torn.exists()) or check(*a, **k))
+    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", "stages=[extract]", "force=[extract]"]))
+    assert seen == [False]
+
+
 def test_captures_equal_hf_hidden_states(prepared):
     cfg = make_cfg([*BASE, f"output_root={prepared.parents[1]}"])
     captures = Captures(stage_dir(cfg, "extract"))
@@ -579,6 +594,23 @@ def test_extract_keeps_its_shards_when_only_how_it_runs_changes(prepared, tmp_pa
                         "extract.source=pass", "extract.reuse=false"])
     run_stages(smaller)
     assert read_marker(smaller, "extract")["fingerprint"] != fingerprint(cfg, "extract")   # the stage did rerun
+    assert passes == [] and {f.name: f.stat().st_mtime_ns for f in out.glob("*.safetensors")} == files
+
+
+def test_extract_keeps_its_shards_when_the_target_is_pinned(prepared, tmp_path, monkeypatch):
+    """A Hub target that moved on: extract asks to pin model.revision to the commit the data came from. The weights
+    are the same (the target's fingerprint is), so the data and extract stages rerun and every shard is kept."""
+    import train.extract
+
+    cfg = fresh_run(prepared, tmp_path, stages=("data", "extract"))
+    out = stage_dir(cfg, "extract")
+    files = {f.name: f.stat().st_mtime_ns for f in out.glob("*.safetensors")}
+    passes = []
+    monkeypatch.setattr(train.extract, "capture", lambda *a, **k: passes.append(1))
+    pinned = make_cfg([*BASE, f"output_root={tmp_path}", "stages=[data,extract]", "model.revision=0123abcd",
+                       "extract.source=pass", "extract.reuse=false"])
+    run_stages(pinned)
+    assert read_marker(pinned, "extract")["fingerprint"] != fingerprint(cfg, "extract")   # the stage did rerun
     assert passes == [] and {f.name: f.stat().st_mtime_ns for f in out.glob("*.safetensors")} == files
 
 

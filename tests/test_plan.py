@@ -99,18 +99,23 @@ def test_plan_reads_the_states_of_every_training_step_from_disk(cfg_factory):
 
 def test_plan_holds_out_the_validation_rows_the_data_stage_will(cfg_factory):
     """Before the data stage, the plan's validation tokens are the rows ``data.stage.assign_splits`` holds out
-    (rounded, at least one, capped) at ``planner.avg_row_tokens`` each."""
+    (rounded, at least one, capped) at the tokens of one regenerated answer each (train=full's 2048-token answers:
+    ~1350 tokens, where ``planner.avg_row_tokens``, 256, made the plan's disk and hours 5x short), or
+    ``planner.avg_row_tokens`` for data kept as it is."""
     from data.stage import assign_splits
 
     for rows, fraction, cap in ((10, 0.05, None), (500_000, 0.05, 1000), (1000, 0.1, None)):
-        cfg = cfg_factory("model=qwen2.5-7b", f"planner.rows={rows}", f"data.validation_fraction={fraction}",
-                          f"data.validation_max_rows={'null' if cap is None else cap}")
+        args = ("model=qwen2.5-7b", f"planner.rows={rows}", f"data.validation_fraction={fraction}",
+                f"data.validation_max_rows={'null' if cap is None else cap}")
+        cfg = cfg_factory(*args)
         convs = [{"id": str(i), "split": None} for i in range(rows)]
         assign_splits(convs, fraction, 0, cap)
         held = sum(c["split"] == "validation" for c in convs)
         tokens, _ = planner.data_tokens(cfg)
-        per_row = min(cfg.planner.avg_row_tokens, cfg.data.max_length)
+        per_row = min(round(0.66 * 2048), cfg.data.max_length)
         assert tokens == {"train": (rows - held) * per_row, "validation": held * per_row}
+        as_is, _ = planner.data_tokens(cfg_factory(*args, "data.regenerate=false"))
+        assert as_is == {"train": (rows - held) * 256, "validation": held * 256}
 
 
 def test_plan_times_the_data_stage(cfg_factory, tmp_path):
@@ -144,10 +149,10 @@ def test_plan_times_the_data_stage(cfg_factory, tmp_path):
     stated = planner.plan(cfg_factory(*args, "data.regen.backend=openai", "planner.regen_tok_s=1000"))["data"]
     assert stated["hours"] == pytest.approx(sum(ge["tokens"].values()) / 1000 / 3600)
     assert "TIME  data + extract + train" in planner.format_plan(hf)
-    # a slow disk binds the hf backend's kept states
+    # a slow disk binds the hf backend's kept states (every row: one answer of 0.66 x 1000 tokens, over 256)
     slow = planner.plan(cfg_factory(*args, "planner.disk_mb_s=1"))["data"]
     assert slow["basis"].startswith("planner.disk_mb_s") and slow["hours"] == pytest.approx(
-        1000 * 256 * hf["extract"]["bytes_per_token"] / 1e6 / 3600)
+        1000 * 660 * hf["extract"]["bytes_per_token"] / 1e6 / 3600)
     given = planner.plan(cfg_factory(*args, "data.regenerate=false", "data.sources=[{type:builtin}]"))
     assert given["data"]["tokens"] == {"prompts": 0, "answers": 0} and given["data"]["hours"] == 0
     assert "copying" not in given["extract"]["basis"]   # nothing regenerated, nothing kept

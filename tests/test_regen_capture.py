@@ -164,6 +164,19 @@ def test_a_disk_filling_up_keeps_fewer_states_and_extract_computes_the_rest(tmp_
         torch.testing.assert_close(a[key][0], b[key][0], rtol=1e-5, atol=1e-5)
 
 
+def test_kept_states_are_deleted_only_where_that_makes_room(tmp_path):
+    """The extract stage deletes the newest kept parts to fit its shards, but none where deleting them all would not:
+    it refused anyway, and the user who made room then had every row to compute again."""
+    from train.extract import make_room
+
+    kept, out = tmp_path / "captured", tmp_path / "extract"
+    kept.mkdir(), out.mkdir()
+    for i in range(3):
+        (kept / f"part-{i}-1.safetensors").write_bytes(b"x" * 100)
+    assert make_room(kept, out, 301) == 0 and len(list(kept.iterdir())) == 3
+    assert make_room(kept, out, 150) == 200 and [p.name for p in kept.iterdir()] == ["part-0-1.safetensors"]
+
+
 def test_states_kept_for_a_source_changed_to_pass_are_deleted(tmp_path, text_twin):
     """Kept while regenerating, then extract.source=pass: nothing reads them, and nothing deleted them (TBs)."""
     cfg = _run(tmp_path, text_twin, "regen", "stages=[data]")

@@ -54,6 +54,8 @@ def fp(name: str, *overrides: str, tmp: Path) -> str:
     ("extract", "extract.disk_margin=2", False),
     ("extract", "extract.dtype=bfloat16", True),
     ("extract", "seed=5", False),
+    ("extract", "dtype=float16", True),                 # the passes' precision (resumed in another: states mixed)
+    ("extract", "dtype=auto", False),                   # runs made before it counted ran at auto
     ("train", "train.log_every=7", False),
     ("train", "train.num_threads=2", False),
     ("train", "train.keep_checkpoints=5", False),

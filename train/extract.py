@@ -51,7 +51,7 @@ from train import dist
 from train.errors import UserError
 from train.log import log, peak_rss_gib, progress
 from train.losses import full_argmax
-from train.stages import HOW, MARKER, fingerprint, require, stage_dir
+from train.stages import HOW, MARKER, digest, fingerprint, require, stage_dir
 from train.target import (
     load_config,
     load_target,
@@ -105,6 +105,15 @@ def check_data(cfg: DictConfig, tokenizer) -> dict:
                 "target: add force=[data] (or use another run_dir)."
             )
     return manifest
+
+
+def shard_fingerprint(cfg: DictConfig, target: str) -> str:
+    """What a shard's states depend on: the extract stage's keys less :data:`HOW` and less where the target is loaded
+    from (``model.revision``, ``path``, ``hub_id``), for which the target's own fingerprint ``target`` (the data
+    manifest's: its files) stands. Pinning ``model.revision`` to the commit the data came from, as
+    :func:`check_data` asks, or pointing ``model.path`` at the same snapshot keeps every finished shard."""
+    location = ("model.revision", "model.path", "model.hub_id")
+    return digest({"config": fingerprint(cfg, "extract", ignore=(*HOW["extract"], *location)), "target": target})
 
 
 def plan_shards(lengths: dict[str, list[int]], bytes_per_token: int, shard_mb: float) -> list[dict]:
@@ -176,10 +185,13 @@ def check_disk(path: Path, needed: int, margin: float, free: int | None = None) 
 def make_room(kept: Path, out: Path, short: int) -> int:
     """(Rank 0) Free ``short`` bytes for the shards at ``out`` by deleting the last parts of the states kept while
     regenerating (``kept``, on the same filesystem): their rows go through the forward pass instead. Returns the
-    bytes deleted."""
+    bytes deleted: none where deleting them all would not free ``short`` (the disk check refuses then, and the states
+    stay for the rerun after the user has made room)."""
     if short <= 0 or not kept.is_dir() or os.stat(kept).st_dev != os.stat(out).st_dev:
         return 0
     parts, deleted, freed = sorted(kept.glob("part-*.safetensors"), reverse=True), 0, 0   # part-<time_ns>-<pid>
+    if sum(part.stat().st_size for part in parts) < short:
+        return 0
     for part in parts:   # newest first
         if freed >= short:
             break
@@ -276,8 +288,9 @@ def run(cfg: DictConfig) -> dict:
     require(cfg, "data")
     out = stage_dir(cfg, "extract")
     device = dist.bind_device(resolve_device(cfg.device))  # before the barrier: NCCL needs this rank's GPU
-    if dist.is_main():  # partial files of a killed run (safetensors itself writes through a `.tmpXXXXXX`)
-        for partial in out.glob(".*tmp*"):
+    if dist.is_main():  # partial files of a killed run (safetensors itself writes through a `.tmpXXXXXX`), and of a
+        #                 data stage killed while it kept states (GBs per rank, counted as used by every disk check)
+        for partial in [*out.glob(".*tmp*"), *(stage_dir(cfg, "data") / "captured").glob(".part-*.tmp")]:
             partial.unlink()
     dist.barrier()
     tokenizer = load_tokenizer(cfg)
@@ -290,7 +303,7 @@ def run(cfg: DictConfig) -> dict:
     ds = load_dataset(cfg)
     lengths = {s: row_lengths(ds[s]) for s in SPLITS}
     shards = plan_shards(lengths, bytes_per_token, cfg.extract.shard_mb)
-    fp = fingerprint(cfg, "extract", ignore=HOW["extract"])
+    fp = shard_fingerprint(cfg, data_manifest["target_fingerprint"])
     dataset_id = data_manifest["dataset_id"]
     world, rank = dist.world_size(), dist.rank()
     kept = stage_dir(cfg, "data") / "captured"
@@ -303,7 +316,8 @@ def run(cfg: DictConfig) -> dict:
             log(f"[extract] deleting the hidden states kept while regenerating ({kept}): extract.source=pass")
             shutil.rmtree(kept, ignore_errors=True)
     redo = "extract" in cfg.force  # force: every shard again, not only the missing ones
-    fps = {fp, fingerprint(cfg, "extract", ignore=HOW["extract"], legacy=True)}  # (shards made before 2026-12-06)
+    fps = {fp, fingerprint(cfg, "extract", ignore=HOW["extract"]),   # (shards made before 2026-12-08)
+           fingerprint(cfg, "extract", ignore=HOW["extract"], legacy=True)}  # (shards made before 2026-12-06)
     # Which shards are left, each judged by one rank (~60k shards at 8B x 1B tokens: rank 0 reading every header
     # alone kept the others in a collective for minutes on a network filesystem), gathered: one view on every rank
     # (ranks reading the same files could disagree on a shared filesystem, and ZeRO-3's passes must match). What is

@@ -148,10 +148,20 @@ class Rows:
         return round(self.train_turns + self.validation_turns)
 
 
-def row_tokens(cfg: DictConfig) -> int:
-    """Tokens per conversation assumed before the data stage has run (``planner.avg_row_tokens``, at most
-    ``data.max_length``)."""
-    return min(cfg.planner.avg_row_tokens, cfg.data.max_length)
+def row_tokens(cfg: DictConfig, rows: Rows | None = None) -> int:
+    """Tokens per conversation assumed before the data stage has run: ``planner.avg_row_tokens``, or, where the
+    target answers every user turn of ``rows`` (``data.regenerate``), the answers' tokens if more (train=full's
+    2048-token answers: ~1350 each, five times the demo's whole row); at most ``data.max_length``."""
+    per_row = cfg.planner.avg_row_tokens
+    if rows is not None and cfg.data.regenerate:
+        per_row = max(per_row, round(rows.turns / max(rows.train + rows.validation, 1) * answer_tokens(cfg)))
+    return min(per_row, cfg.data.max_length)
+
+
+def answer_tokens(cfg: DictConfig) -> float:
+    """Tokens the target writes per answer, assumed: ``planner.answer_tokens`` or ``answer_share`` x
+    ``data.regen.max_new_tokens``."""
+    return cfg.planner.answer_tokens or cfg.planner.answer_share * cfg.data.regen.max_new_tokens
 
 
 def copies_states(cfg: DictConfig) -> bool:
@@ -209,10 +219,11 @@ def data_tokens(cfg: DictConfig, rows: Rows | None = None) -> tuple[dict[str, in
     if manifest.exists():
         return {k: int(v) for k, v in json.loads(manifest.read_text())["tokens"].items()}, f"data manifest {manifest}"
     rows = rows or count_rows(cfg)
-    per_row = row_tokens(cfg)
+    per_row = row_tokens(cfg, rows)
+    basis = "planner.avg_row_tokens" if per_row == row_tokens(cfg) else "the target's answers, planner.answer_share"
     return ({"train": rows.train * per_row, "validation": rows.validation * per_row},
             f"estimate: {rows.train + rows.validation} rows ({rows.source}) x {per_row} tokens/row "
-            "(planner.avg_row_tokens); run the data stage or set planner.tokens for the real figure")
+            f"({basis}); run the data stage or set planner.tokens for the real figure")
 
 
 def generation(cfg: DictConfig, sh: Shapes, kind: str, dtype: torch.dtype, world: int, per_token: int,
@@ -229,12 +240,11 @@ def generation(cfg: DictConfig, sh: Shapes, kind: str, dtype: torch.dtype, world
     rows = rows or count_rows(cfg)
     answers = rows.turns if dc.regenerate else 0
     prompts = sum(_synth_n(s) for s in dc.sources if s.get("type") == "synth")
-    answer = pc.answer_tokens or pc.answer_share * dc.regen.max_new_tokens
-    tokens = {"prompts": round(prompts * pc.synth_tokens), "answers": round(answers * answer)}
+    tokens = {"prompts": round(prompts * pc.synth_tokens), "answers": round(answers * answer_tokens(cfg))}
     rate, replicas, basis = regen_rate(cfg, sh, kind, dtype, world)
     hours = None if rate is None else sum(tokens.values()) / (rate * replicas) / 3600
     if copies_states(cfg) and hours is not None:
-        disk_h = (rows.train + rows.validation) * row_tokens(cfg) * per_token / (pc.disk_mb_s * 1e6) / 3600
+        disk_h = (rows.train + rows.validation) * row_tokens(cfg, rows) * per_token / (pc.disk_mb_s * 1e6) / 3600
         if disk_h > hours:
             hours, basis = disk_h, f"planner.disk_mb_s: writing the states kept for extract ({basis} would be faster)"
     return {"done": False, "prompts": prompts, "answers": answers, "tokens": tokens, "tok_s": rate,

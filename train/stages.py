@@ -47,7 +47,7 @@ ENTRY = {
 # `eval.questions` is there because rows overlapping those prompts are dropped (no other eval key is).
 DEPENDS = {
     "data": ["model", "data", "eval.questions", "seed"],  # not head.draft_vocab_size: the train stage builds it
-    "extract": ["model", "head.type", "head.aux_layers", "extract"],
+    "extract": ["model", "head.type", "head.aux_layers", "extract", "dtype"],   # dtype: the passes' precision
     "train": ["head", "train", "seed"],
     "eval": ["eval", "seed", "data.system_prompt", "data.thinking", "dtype", "device"],  # eval.dtype=auto follows dtype
     "export": ["export", "publish.repo_id", "model.hub_id"],  # the model card names the repo and the target
