@@ -301,7 +301,7 @@ def size_tree(cfg: DictConfig, decoder: SpecDecoder, head, tokenizer, cache: Jso
     cache = cache or JsonCache(None)
     prompts, source = calibration_prompts(cfg, max(t.calibration_prompts, 8))
     context = context_ids(tokenizer, prompts, t.context)
-    sizes = tuple(int(s) for s in t.sizes)
+    sizes = tuple(sorted({1, *(int(s) for s in t.sizes)}))   # 1: every prediction is relative to plain decoding's pass
     grown = kind == "eagle3" or cfg.eval.medusa_choices in (None, "auto")   # a tree whose size total_tokens sets
     auto = grown and t.total_tokens == "auto"
     calibration = prompts[: t.calibration_prompts]

@@ -64,14 +64,19 @@ def load_head(path: str | Path, target: nn.Module | TargetWeights | None = None)
     """Rebuild a saved head; with ``target``, an EAGLE-3 head gets the target's embedding: a loaded model's own
     parameter, shared (a second copy is 1 GB at 8B in bf16), or a copy of :class:`TargetWeights`'."""
     path = Path(path)
-    head = build_head(*load_head_config(path))
+    with torch.device("meta"):   # built without values: a random float32 embedding is 2.2 GB at 8B, then replaced
+        head = build_head(*load_head_config(path))
+    head = head.to_empty(device="cpu")
     missing, unexpected = head.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
     missing = [k for k in missing if not k.startswith("embed_tokens.")]
     if missing or unexpected:
         raise ValueError(f"{path}: head checkpoint does not match its config: missing={missing}, unexpected={unexpected}")
     if isinstance(target, nn.Module):
         share_embedding(head, target)
-    elif target is not None and isinstance(head, Eagle3Head):
+    elif isinstance(head, Eagle3Head):
         with torch.no_grad():
-            head.embed_tokens.weight.copy_(target.embed)
+            if target is not None:
+                head.embed_tokens.weight.copy_(target.embed)
+            else:   # no target to embed with: initialised as built
+                nn.init.normal_(head.embed_tokens.weight)
     return head.eval()

@@ -232,3 +232,10 @@ def test_tree_sizing_is_cached_and_shows_progress(cfg_factory, calls, monkeypatc
     third, _ = run_eval(cfg_factory, "head=eagle3", "eval.methods=[eagle3-tree]", "eval.min_speedup=1.2",
                         "force=[eval]")
     assert calls["verify"] == calls["acceptance"] == 1
+
+
+def test_tree_sizes_without_one_token_are_sized_against_it(cfg_factory, calls):
+    """eval.tree.sizes trimmed to the trees a GPU user wants ([2,4]): the 1-token pass every prediction divides by is
+    measured all the same (it was a KeyError after the whole sizing)."""
+    report, _ = run_eval(cfg_factory, "head=eagle3", "eval.methods=[eagle3-tree]", "eval.tree.sizes=[4,2]")
+    assert sorted(report["tree"]["verify_ms"]) == ["1", "2", "4"] and report["tree"]["total_tokens"] in (2, 4)

@@ -139,13 +139,17 @@ def test_ttt_attention_chunked_equals_reference(chunk_rows):
             torch.testing.assert_close(cache.attend(*qkv), a, rtol=1e-10, atol=1e-12)
 
 
-def test_save_load_round_trip(tiny_qwen2_cfg, tmp_path):
+def test_save_load_round_trip(tiny_qwen2_cfg, tmp_path, monkeypatch):
     target = load_target(tiny_qwen2_cfg)
     head = tiny_eagle3(target)
     with torch.no_grad():
         head.fc.weight.normal_()
     save_head(head, tmp_path / "h")
+    initialised, reset = [], torch.nn.Embedding.reset_parameters
+    monkeypatch.setattr(torch.nn.Embedding, "reset_parameters",
+                        lambda self: initialised.append(self.weight.device.type) or reset(self))
     again = load_head(tmp_path / "h", target)
+    assert initialised == ["meta"]   # no random embedding of the whole vocabulary made to be replaced (2.2 GB at 8B)
     assert again.embed_tokens.weight is target.get_input_embeddings().weight   # shared, not a second copy
     x = torch.randn(1, 4, 3 * target.config.hidden_size)
     ids = torch.randint(0, target.config.vocab_size, (1, 4))
