@@ -171,7 +171,7 @@ def read_rows(path: str | Path, on_error: str, errors: Counter) -> Iterator[tupl
     ``errors["malformed_json"]`` with on_error=skip. A .json file of JSON lines is read as one."""
     path = Path(path)
     if not path.exists():
-        raise DataError(f"data file not found: {path}")
+        raise DataError(f"data file not found: {path}" + (f" (read as {path.resolve()})" if not path.is_absolute() else ""))
     kind = _kind(path)
     if path.is_dir():
         files = sorted(f for f in path.rglob("*") if f.is_file() and _kind(f) in (".jsonl", ".json", ".parquet")

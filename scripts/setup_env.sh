@@ -2,7 +2,9 @@
 # Create or update the project's virtual environment. Idempotent: a stamp file records what was
 # installed, so a second call returns at once.
 #   VENV        where the environment lives            (default .venv)
-#   TORCH_SPEC  what pip installs for torch            (default torch==2.13.0, the CPU build here;
+#   TORCH_SPEC  what pip installs for torch            (default torch==2.13.0: the CPU build where pip finds a
+#               local CPU wheel, as on this project's machines; PyPI's Linux wheel is the CUDA build. CPU build from
+#               PyTorch's index: TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu";
 #               GPU users: TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128")
 #   PYTHON      interpreter used to create the venv    (default python3)
 set -euo pipefail

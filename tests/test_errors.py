@@ -344,6 +344,49 @@ def test_a_failure_on_rank_0_is_raised_on_every_rank(tmp_path):
         assert got == {"shared": {"rank": 0}, "failed": "JSONDecodeError"}
 
 
+def test_a_missing_data_file_is_named_where_it_was_looked_for(tmp_path, monkeypatch):
+    """A relative path is read from the working directory (hydra.job.chdir: false): the error shows which."""
+    from collections import Counter
+
+    from data.formats import DataError, read_rows
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=rf"data file not found: my_prompts.jsonl \(read as {tmp_path}/my_prompts.jsonl\)"):
+        next(read_rows("my_prompts.jsonl", "raise", Counter()))
+
+
+def test_a_key_added_with_a_plus_beside_the_configs_own_is_refused():
+    """Hydra answers a misspelt key with "To append to your config use +train.lrr=1e-3": followed, the run trained at
+    the default learning rate. Adding to a map empty by default (a server's environment) and +debug stay allowed."""
+    from train.checks import validate
+
+    typo = ["+train.lrr=1e-3"]
+    with pytest.raises(ConfigError, match=r"\+train.lrr adds a key the config does not have \(did you mean train.lr\?\)"):
+        validate(make_cfg(typo), typo)
+    fine = ["+debug=true", "+data.regen.vllm.env.VLLM_LOGGING_LEVEL=DEBUG", "train.lr=1e-3"]
+    validate(make_cfg(fine), fine)
+
+
+def test_a_gpu_this_process_does_not_see_is_refused_before_any_stage(monkeypatch):
+    """device=cuda on a machine (or a torch build) without a GPU was a traceback from the first tensor moved there,
+    or, under a launcher, from binding a rank; a plan may be made anywhere."""
+    import torch
+
+    from train.checks import validate
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"device=cuda: torch .* CPU build; install torch's CUDA build .*whl/cu128"):
+        validate(make_cfg(["device=cuda"]))
+    validate(make_cfg(["device=cuda", "plan=true"]))
+    validate(make_cfg(["device=auto"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    validate(make_cfg(["device=cuda:1"]))
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    with pytest.raises(ConfigError, match=r"device=cuda:2: this process sees 2 GPU\(s\)"):
+        validate(make_cfg(["device=cuda:2"]))
+
+
 @pytest.mark.parametrize("overrides, error", [
     (["model.path=/models/Llama-3.1-8B-Instruct"], r"read with model.source=hf only .*embedded SmolLM2-135M would train"),
     (["model.hub_id=Qwen/Qwen2.5-7B-Instruct"], r"model.hub_id=Qwen/Qwen2.5-7B-Instruct is read with model.source=hf "

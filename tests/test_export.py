@@ -431,6 +431,20 @@ def test_card_headline_is_this_heads_own_lossless_method():
         assert "eagle3-chain" in speedup and "specheads decoder" in speedup   # our decoder's figure, not vLLM's
 
 
+def test_a_re_export_keeps_the_users_generation_config_and_names_what_it_removes(eagle_export, caplog):
+    """A generation_config.json a user put in an export folder (publish uploads it) was deleted by the next export
+    without a word; it is kept, and any other file removed is named."""
+    cfg, _, _ = eagle_export
+    folder = stage_dir(cfg, "export") / "vllm"
+    (folder / "generation_config.json").write_text('{"temperature": 0.6}')
+    (folder / "notes.txt").write_text("mine")
+    with caplog.at_level("INFO", logger="specheads"):
+        run_stages(OmegaConf.merge(cfg, {"force": ["export"]}))
+    assert (folder / "generation_config.json").read_text() == '{"temperature": 0.6}' and not (folder / "notes.txt").exists()
+    assert any("vllm: removing ['notes.txt']" in r.message for r in caplog.records)
+    (folder / "generation_config.json").unlink()
+
+
 def test_export_removes_an_earlier_exports_other_formats(eagle_export):
     """An earlier export's format folder that this export does not write (export.formats narrowed) described the
     head before: publish.format and scripts/vllm_check.py took it under this head's card."""

@@ -11,6 +11,7 @@ value and the valid values.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 
 from omegaconf import DictConfig, OmegaConf
@@ -190,7 +191,7 @@ def problems(cfg: DictConfig) -> list[str]:
         given = [k for k in ("type", "path", "hf") if source.get(k) is not None]
         if len(given) != 1:
             out.append(f"data.sources[{i}] needs exactly one of type (builtin|humaneval|synth), path or hf, got {given}")
-    out += target_problems(cfg)
+    out += target_problems(cfg) + device_problems(cfg)
     if (OmegaConf.select(cfg, "extract.source") == "regen" and OmegaConf.select(cfg, "data.regen.backend") != "hf"
             and OmegaConf.select(cfg, "data.regenerate")):
         out.append(f"extract.source=regen keeps the hidden states of the hf backend's own passes; "
@@ -222,6 +223,23 @@ def target_problems(cfg: DictConfig) -> list[str]:
     return []
 
 
+def device_problems(cfg: DictConfig) -> list[str]:
+    """``device=cuda[:N]`` where this process sees no such GPU (a CPU build of torch, CUDA_VISIBLE_DEVICES): refused
+    before any stage, not a traceback from the first tensor moved there. A plan (``plan=true``) may be made anywhere."""
+    device = str(OmegaConf.select(cfg, "device", default="auto"))
+    if not device.startswith("cuda") or OmegaConf.select(cfg, "plan", default=False):
+        return []
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if int(device.partition(":")[2] or 0) < count:
+        return []
+    why = (f"torch {torch.__version__} is a CPU build" if torch.version.cuda is None else
+           f"this process sees {count} GPU(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    return [f"device={device}: {why}; install torch's CUDA build (TORCH_SPEC=\"torch --index-url "
+            "https://download.pytorch.org/whl/cu128\" bash scripts/setup_env.sh) or use device=auto or cpu"]
+
+
 def preflight(cfg: DictConfig) -> None:
     """Raise one :class:`~train.errors.UserError` listing what a later stage of this run would refuse after
     hours of work and can be told now: publishing without a token or a valid repo id, tracking online without a
@@ -239,8 +257,31 @@ def preflight(cfg: DictConfig) -> None:
         raise UserError("before any stage: " + "; ".join(found))
 
 
-def validate(cfg: DictConfig) -> None:
-    """Raise one :class:`ConfigError` listing every invalid value (the whole config is checked at once)."""
-    found = problems(cfg)
+def added_key_problems(cfg: DictConfig, overrides: list[str]) -> list[str]:
+    """Keys ``+key=value`` added beside a config's own (Hydra suggests the ``+`` for a misspelt key: ``train.lrr`` then
+    trains at the default learning rate, silently). Allowed: ``+debug`` and keys of a map that is empty by default
+    (e.g. ``+data.regen.vllm.env.VLLM_X=1``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    added = [o.key_or_group for o in OverridesParser.create().parse_overrides(list(overrides)) if o.is_add()]
+    out = []
+    for key in added:
+        parent_key, _, leaf = key.rpartition(".")
+        parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+        if key == "debug" or not OmegaConf.is_dict(parent):
+            continue
+        siblings = [k for k in parent if f"{parent_key}.{k}".lstrip(".") not in added]
+        if siblings:
+            near = difflib.get_close_matches(leaf, [str(k) for k in siblings], n=1)
+            out.append(f"+{key} adds a key the config does not have" + (
+                f" (did you mean {parent_key + '.' if parent_key else ''}{near[0]}?)" if near else "")
+                + f"; the keys of {parent_key or 'the config'}: {', '.join(map(str, siblings))}")
+    return out
+
+
+def validate(cfg: DictConfig, overrides: list[str] = ()) -> None:
+    """Raise one :class:`ConfigError` listing every invalid value (the whole config is checked at once); with the
+    command line's ``overrides``, also every key a ``+`` adds where the config has its own (a typo)."""
+    found = problems(cfg) + added_key_problems(cfg, overrides)
     if found:
         raise ConfigError("invalid config: " + "; ".join(found) + " (fix the override or the YAML in conf/)")

@@ -64,6 +64,9 @@ class ExportError(UserError, ValueError):
     pass
 
 
+USER_FILES = ("generation_config.json",)   # a user's own file in an export folder, uploaded by publish: kept on re-export
+
+
 def eagle3_config_json(c: Eagle3Config, dtype: str) -> dict:
     """Hugging Face LlamaConfig-style keys of the draft's one decoder layer."""
     return {
@@ -613,6 +616,12 @@ def run(cfg: DictConfig) -> dict:
         (tmp / "README.md").write_text(model_card(fmt, cfg, head.config, report, summary, vllm_check))
         for file in terms:
             shutil.copyfile(file, tmp / file.name)
+        if final.is_dir():   # an earlier export: a file its user added that publish uploads stays, the rest is named
+            for name in USER_FILES:
+                if (final / name).is_file() and not (tmp / name).exists():
+                    shutil.copyfile(final / name, tmp / name)
+            if gone := sorted(p.name for p in final.iterdir() if not (tmp / p.name).exists()):
+                log(f"[export] {fmt}: removing {gone} from the earlier export in {final} (not part of an export)")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         written[fmt] = str(final)

@@ -45,7 +45,7 @@ def run(cfg: DictConfig) -> None:
     from train.tracking import finish
 
     dist.adopt_scheduler()  # mpirun/srun: their rank variables, before anything asks which rank this is
-    validate(cfg)  # every enum, size and share at once, before any plan, weight or stage
+    validate(cfg, overrides())  # every enum, size, share and added key at once, before any plan, weight or stage
     quiet_libraries()
     if cfg.plan:  # before any process group, weights or stage: rank 0 prints, every rank exits
         from train.plan import print_plan
@@ -62,6 +62,13 @@ def run(cfg: DictConfig) -> None:
         finally:
             finish()
         dist.close()
+
+
+def overrides() -> list[str]:
+    """The command line's overrides (none outside ``@hydra.main``)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def debug(cfg: DictConfig | None = None) -> bool:
@@ -86,11 +93,15 @@ def exit_with(error: BaseException) -> None:
 
 def summary_line(cfg: DictConfig) -> str:
     """One line with the effective budget: what a run of this config will do (``--cfg job`` shows all)."""
+    from train.target import resolve_device, resolve_dtype
+
     t, h = cfg.train, cfg.head
+    device = resolve_device(cfg.device)
     budget = f"{t.max_minutes} min" if t.max_minutes else "no time limit"
     steps = f"max_steps {t.max_steps}" if t.max_steps else f"{t.epochs} epochs"
     ttt = f", TTT {h.ttt_steps}" if h.type == "eagle3" else f", {h.num_heads} heads"
-    return (f"[run] {cfg.model.name} / {h.name}: stages {list(cfg.stages)}; train {budget}, {steps}, "
+    return (f"[run] {cfg.model.name} / {h.name} on {device}: stages {list(cfg.stages)}; "
+            f"train in {str(resolve_dtype(cfg.dtype, device)).removeprefix('torch.')}, {budget}, {steps}, "
             f"{t.micro_batch_tokens}-token micro-batches, lr {t.lr}{ttt}, draft vocabulary {h.draft_vocab_size}; "
             f"eval {cfg.eval.limit or 'all'} prompts/dataset -> {cfg.run_dir}")
 
