@@ -47,6 +47,7 @@ ROLE_ALIASES = {
     "bing": "assistant", "model": "assistant",
     "system": "system", "developer": "system",
     "tool": "tool", "function": "tool", "observation": "tool", "ipython": "tool", "function_response": "tool",
+    "function_call": "tool", "tool_call": "tool",   # (LLaMA-Factory's ShareGPT tool rows: cut there, like tool turns)
 }
 ID_KEYS = ("id", "conversation_id", "prompt_id", "uuid", "task_id", "question_id")  # a row's id, first present
 METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}  # not rows
@@ -92,11 +93,14 @@ def _message(role: str, content) -> dict:
     return {"role": canonical, "content": _text(content)}
 
 
-def to_messages(row, fmt: str, prompt_field: str | None = None) -> list[dict]:
+def to_messages(row, fmt: str, prompt_field: str | list[str] | None = None) -> list[dict]:
     """The row's messages in canonical roles (empty turns kept: :func:`tidy`); raises DataError on unknown
-    roles or non-text content. ``prompt_field``: the key holding the prompt of a ``prompts`` row."""
+    roles or non-text content. ``prompt_field``: the key holding the prompt of a ``prompts`` row, or keys whose
+    non-empty values make it together, a blank line apart (Alpaca's ``[instruction, input]``: the input is the text
+    the instruction speaks of)."""
     if prompt_field:
-        return [_message("user", row[prompt_field])]
+        fields = [prompt_field] if isinstance(prompt_field, str) else list(prompt_field)
+        return [_message("user", "\n\n".join(str(row[f]) for f in fields if row.get(f)))]
     if fmt == "auto":
         fmt = detect_format(row)
     if fmt == "sharegpt":

@@ -189,7 +189,7 @@ def test_eval_settings_of_another_head_are_refused_before_training():
 @pytest.mark.parametrize("model", [*MODELS, "tiny-qwen3"])
 @pytest.mark.parametrize("head", ["eagle3", "medusa"])
 def test_every_preset_passes_validation(model, head):
-    for extra in ([], ["train=full"], ["tracking=wandb"], ["device=cuda:1", "eval.methods=[plain,ngram]"]):
+    for extra in ([], ["train=full"], ["tracking=wandb"], ["device=cuda:1", "plan=true", "eval.methods=[plain,ngram]"]):
         assert problems(make_cfg([f"model={model}", f"head={head}", *extra])) == []
 
 

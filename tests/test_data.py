@@ -125,6 +125,10 @@ REAL_ROWS = [
     ({"messages": [U("weather?"), {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
                    {"role": "tool", "content": "sunny"}, A("It is sunny.")]}, [U("weather?")],
      "conversations_cut_at_tool_turn"),
+    ({"conversations": [{"from": "human", "value": "weather?"}, {"from": "gpt", "value": "Let me look."},   # LLaMA-Factory
+                        {"from": "function_call", "value": '{"name": "w"}'}, {"from": "observation", "value": "sunny"},
+                        {"from": "gpt", "value": "It is sunny."}]}, [U("weather?"), A("Let me look.")],
+     "conversations_cut_at_tool_turn"),
     ({"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "h"},
                                                                                           {"type": "text", "text": "i"}]}]},
      [{"role": "system", "content": "Be brief."}, U("hi")], None),
@@ -160,6 +164,10 @@ def test_instruction_rows_with_prompt_field_and_ids_of_their_own(tmp_path):
     twice = write_jsonl(tmp_path / "twice.jsonl", [json.dumps({"prompt": "same"})] * 2)
     ids = [c["id"] for c in read_source({"path": str(twice)}, "raise", Counter())]
     assert len(set(ids)) == 2   # a repeated prompt is its own row (eval resumes records by id)
+    with_input = write_jsonl(tmp_path / "input.jsonl", [json.dumps({"instruction": "Summarise it.", "input": "A text."}),
+                                                         json.dumps({"instruction": "Say hi.", "input": ""})])
+    assert [c["messages"] for c in read_source({"path": str(with_input), "prompt_field": ["instruction", "input"]},
+                                                "raise", Counter())] == [[U("Summarise it.\n\nA text.")], [U("Say hi.")]]
     reordered = write_jsonl(tmp_path / "alpaca.jsonl", [json.dumps(r) for r in rows[::-1]])
     assert {c["id"] for c in read_source({"path": str(reordered), "prompt_field": "instruction"}, "raise",
                                          Counter())} == {c["id"] for c in got}

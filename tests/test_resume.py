@@ -54,8 +54,6 @@ def fp(name: str, *overrides: str, tmp: Path) -> str:
     ("extract", "extract.disk_margin=2", False),
     ("extract", "extract.dtype=bfloat16", True),
     ("extract", "seed=5", False),
-    ("extract", "dtype=float16", True),                 # the passes' precision (resumed in another: states mixed)
-    ("extract", "dtype=auto", False),                   # runs made before it counted ran at auto
     ("train", "train.log_every=7", False),
     ("train", "train.num_threads=2", False),
     ("train", "train.keep_checkpoints=5", False),
@@ -86,6 +84,24 @@ def fp(name: str, *overrides: str, tmp: Path) -> str:
 ])
 def test_fingerprints_count_only_what_changes_the_result(tmp_path, stage, override, counts):
     assert (fp(stage, override, tmp=tmp_path) != fp(stage, tmp=tmp_path)) is counts
+
+
+def test_a_shard_is_the_same_wherever_its_target_loads_from_and_another_in_another_precision(tmp_path):
+    """Extract's shards are named by the target's own fingerprint, not by where it loads from: the Hub repo pinned
+    to the commit the data came from, or a model.path at that snapshot, keeps them. The passes' precision counts
+    resolved (dtype=auto is float32 on this CPU)."""
+    import torch
+
+    from train.extract import shard_fingerprint
+
+    def shard(*overrides: str, dtype: torch.dtype = torch.float32) -> str:
+        return shard_fingerprint(make_cfg([*BASE, "model=qwen2.5-7b", *overrides], tmp_path), "t", dtype)
+
+    hub = shard()
+    assert shard("model.revision=0123abcd") == shard(f"model.path={tmp_path / 'snapshot'}") == hub
+    assert shard("dtype=float32") == hub != shard(dtype=torch.bfloat16)
+    assert shard_fingerprint(make_cfg([*BASE, "model=qwen2.5-7b"], tmp_path), "other", torch.float32) != hub
+    assert shard("extract.dtype=bfloat16") != hub   # what the shards store still counts
 
 
 @pytest.mark.parametrize("stage", ["data", "extract"])

@@ -227,8 +227,8 @@ def device_problems(cfg: DictConfig) -> list[str]:
     """``device=cuda[:N]`` where this process sees no such GPU (a CPU build of torch, CUDA_VISIBLE_DEVICES): refused
     before any stage, not a traceback from the first tensor moved there. A plan (``plan=true``) may be made anywhere."""
     device = str(OmegaConf.select(cfg, "device", default="auto"))
-    if not device.startswith("cuda") or OmegaConf.select(cfg, "plan", default=False):
-        return []
+    if not re.fullmatch(r"cuda(:\d+)?", device) or OmegaConf.select(cfg, "plan", default=False):
+        return []   # (a malformed device: the enum check names it)
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -258,9 +258,9 @@ def preflight(cfg: DictConfig) -> None:
 
 
 def added_key_problems(cfg: DictConfig, overrides: list[str]) -> list[str]:
-    """Keys ``+key=value`` added beside a config's own (Hydra suggests the ``+`` for a misspelt key: ``train.lrr`` then
-    trains at the default learning rate, silently). Allowed: ``+debug`` and keys of a map that is empty by default
-    (e.g. ``+data.regen.vllm.env.VLLM_X=1``)."""
+    """Keys ``+key=value`` added beside a config's own key of a close name: a typo (Hydra suggests the ``+`` for a
+    misspelt key: ``+train.lrr`` then trained at the default learning rate, silently). Optional keys the config does
+    not list (``+data.sources.0.limit=100``, ``+debug``, a server's environment) are added as asked."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     added = [o.key_or_group for o in OverridesParser.create().parse_overrides(list(overrides)) if o.is_add()]
@@ -270,12 +270,10 @@ def added_key_problems(cfg: DictConfig, overrides: list[str]) -> list[str]:
         parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
         if key == "debug" or not OmegaConf.is_dict(parent):
             continue
-        siblings = [k for k in parent if f"{parent_key}.{k}".lstrip(".") not in added]
-        if siblings:
-            near = difflib.get_close_matches(leaf, [str(k) for k in siblings], n=1)
-            out.append(f"+{key} adds a key the config does not have" + (
-                f" (did you mean {parent_key + '.' if parent_key else ''}{near[0]}?)" if near else "")
-                + f"; the keys of {parent_key or 'the config'}: {', '.join(map(str, siblings))}")
+        siblings = [str(k) for k in parent if f"{parent_key}.{k}".lstrip(".") not in added]
+        if near := difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.75):
+            out.append(f"+{key} adds a key beside {parent_key + '.' if parent_key else ''}{near[0]}: a typo? (set "
+                       f"{parent_key + '.' if parent_key else ''}{near[0]}=..., without the +)")
     return out
 
 

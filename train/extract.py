@@ -107,13 +107,16 @@ def check_data(cfg: DictConfig, tokenizer) -> dict:
     return manifest
 
 
-def shard_fingerprint(cfg: DictConfig, target: str) -> str:
+def shard_fingerprint(cfg: DictConfig, target: str, dtype: torch.dtype) -> str:
     """What a shard's states depend on: the extract stage's keys less :data:`HOW` and less where the target is loaded
     from (``model.revision``, ``path``, ``hub_id``), for which the target's own fingerprint ``target`` (the data
-    manifest's: its files) stands. Pinning ``model.revision`` to the commit the data came from, as
-    :func:`check_data` asks, or pointing ``model.path`` at the same snapshot keeps every finished shard."""
+    manifest's: its files) stands, and the precision of the passes ``dtype`` (resolved: ``dtype=auto`` and
+    ``bfloat16`` on a GPU are the same passes). Pinning ``model.revision`` to the commit the data came from, as
+    :func:`check_data` asks, or pointing ``model.path`` at the same snapshot keeps every finished shard; an extraction
+    resumed in another precision redoes the shards of the first (its states are not mixed)."""
     location = ("model.revision", "model.path", "model.hub_id")
-    return digest({"config": fingerprint(cfg, "extract", ignore=(*HOW["extract"], *location)), "target": target})
+    return digest({"config": fingerprint(cfg, "extract", ignore=(*HOW["extract"], *location)), "target": target,
+                   "dtype": str(dtype)})
 
 
 def plan_shards(lengths: dict[str, list[int]], bytes_per_token: int, shard_mb: float) -> list[dict]:
@@ -303,7 +306,7 @@ def run(cfg: DictConfig) -> dict:
     ds = load_dataset(cfg)
     lengths = {s: row_lengths(ds[s]) for s in SPLITS}
     shards = plan_shards(lengths, bytes_per_token, cfg.extract.shard_mb)
-    fp = shard_fingerprint(cfg, data_manifest["target_fingerprint"])
+    fp = shard_fingerprint(cfg, data_manifest["target_fingerprint"], resolve_dtype(cfg.dtype, device))
     dataset_id = data_manifest["dataset_id"]
     world, rank = dist.world_size(), dist.rank()
     kept = stage_dir(cfg, "data") / "captured"

@@ -178,7 +178,7 @@ def count_rows(cfg: DictConfig) -> Rows:
     pc, dc = cfg.planner, cfg.data
     rows, turns = Counter(), Counter()   # by split (None: assigned later)
     if pc.rows or pc.tokens:
-        rows[None] = turns[None] = int(pc.rows or round(pc.tokens / row_tokens(cfg)))
+        rows[None] = turns[None] = int(pc.rows or round(pc.tokens / row_tokens(cfg, Rows(1, 0, 1, 0, ""))))
         source = "planner.rows" if pc.rows else "planner.tokens / planner.avg_row_tokens"
     else:
         source = "data.sources"

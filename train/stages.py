@@ -47,7 +47,7 @@ ENTRY = {
 # `eval.questions` is there because rows overlapping those prompts are dropped (no other eval key is).
 DEPENDS = {
     "data": ["model", "data", "eval.questions", "seed"],  # not head.draft_vocab_size: the train stage builds it
-    "extract": ["model", "head.type", "head.aux_layers", "extract", "dtype"],   # dtype: the passes' precision
+    "extract": ["model", "head.type", "head.aux_layers", "extract"],
     "train": ["head", "train", "seed"],
     "eval": ["eval", "seed", "data.system_prompt", "data.thinking", "dtype", "device"],  # eval.dtype=auto follows dtype
     "export": ["export", "publish.repo_id", "model.hub_id"],  # the model card names the repo and the target
@@ -179,7 +179,7 @@ def config_parts(cfg: DictConfig, name: str, ignore: tuple[str, ...] = (), legac
         for k in path:
             node = node.get(k) or {}
         node.pop(leaf, None)
-    if not legacy and name in ("data", "extract") and cfg.model.source == "hf" and cfg.model.path:
+    if not legacy and name in ("data", "extract") and cfg.model.source == "hf" and cfg.model.path and "model.hub_id" not in ignore:
         parts["model"]["hub_id"] = None  # only names the target in model cards (the export stage's key) when a
         #                                  local copy is what loads: adding it for a card redoes no 7-8B pass
     return parts
@@ -328,6 +328,11 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
         fp, marker = dist.on_main(partial(_up_to_date, cfg, name))
         if marker:
             log(f"[{name}] up to date in {stage_dir(cfg, name)}; skipped")
+            if name == "data" and (changed := [f for f, seen in marker.get("files", {}).items()
+                                               if input_files(cfg).get(f) != seen]):
+                log(f"[data] warning: {len(changed)} input file(s) changed since the data stage read them (size or "
+                    f"time; the first: {changed[0]}): this run goes on with the rows read then; add force=[data] to "
+                    "read them again (answers regenerated before are taken from the cache)")
             results[name] = marker
             continue
         log(f"[{name}] running -> {stage_dir(cfg, name)}")
@@ -397,9 +402,22 @@ def _write_marker(cfg: DictConfig, name: str, fp: str, start: float, out: dict |
               "output_id": output_id(cfg, name, fp) if dist.is_main() else None, "wall_s": round(time.time() - start, 1),
               "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "outputs": out or {},
               "config": flat_config(cfg, name)}   # what it was made with (a later command's differences named)
+    if name == "data":
+        marker["files"] = input_files(cfg)
     if dist.is_main():
         _save_marker(cfg, name, marker)
     return marker
+
+
+def input_files(cfg: DictConfig) -> dict[str, list[int]]:
+    """Path -> [size, mtime_ns] of the local files the data stage reads (``data.sources`` paths, each file of a folder
+    of shards, ``eval.questions``): a file edited after the stage ran is named when the stage is skipped (its
+    fingerprint holds the config, not the files' contents)."""
+    paths = [Path(str(s.path)) for s in cfg.data.sources if s.get("path")]
+    if cfg.eval.get("questions"):
+        paths.append(Path(str(cfg.eval.questions)))
+    files = [f for p in paths for f in (sorted(p.rglob("*")) if p.is_dir() else [p]) if f.is_file()]
+    return {str(f): [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
 
 
 def _save_marker(cfg: DictConfig, name: str, marker: dict) -> None:

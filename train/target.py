@@ -243,6 +243,8 @@ def _from_pretrained(factory, path: str, cfg: DictConfig, **kwargs):
 
 def load_tokenizer(cfg: DictConfig):
     tok = _from_pretrained(AutoTokenizer, target_path(cfg), cfg)
+    tok.clean_up_tokenization_spaces = False   # decode inverts encode: Llama-3.1's config sets it (older transformers
+    #                                            then gave "x!= y" for "x != y" in regenerated answers; 5.x ignores it)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
