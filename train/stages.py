@@ -328,8 +328,8 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
         fp, marker = dist.on_main(partial(_up_to_date, cfg, name))
         if marker:
             log(f"[{name}] up to date in {stage_dir(cfg, name)}; skipped")
-            if name == "data" and (changed := [f for f, seen in marker.get("files", {}).items()
-                                               if input_files(cfg).get(f) != seen]):
+            now = input_files(cfg) if name == "data" and dist.is_main() else None
+            if now is not None and (changed := [f for f, seen in marker.get("files", {}).items() if now.get(f) != seen]):
                 log(f"[data] warning: {len(changed)} input file(s) changed since the data stage read them (size or "
                     f"time; the first: {changed[0]}): this run goes on with the rows read then; add force=[data] to "
                     "read them again (answers regenerated before are taken from the cache)")
