@@ -579,9 +579,13 @@ def test_extract_redoes_shards_of_other_settings(prepared, tmp_path):
     assert hidden.dtype == torch.bfloat16 and argmax.dtype == torch.int32
 
 
-def test_extract_keeps_its_shards_when_only_how_it_runs_changes(prepared, tmp_path, monkeypatch):
-    """After an out-of-memory error a user halves extract.batch_tokens (or turns ZeRO-3 on): the shards already
-    written hold the same states and are kept, not recomputed; shards of an earlier plan are deleted."""
+@pytest.mark.parametrize("changed", [["stages=[extract]", "extract.batch_tokens=512"],
+                                     ["stages=[data,extract]", "model.revision=0123abcd"]], ids=["how", "pinned"])
+def test_extract_keeps_its_shards_when_only_how_it_runs_changes(prepared, tmp_path, monkeypatch, changed):
+    """After an out-of-memory error a user halves extract.batch_tokens (or turns ZeRO-3 on); a Hub target moved on and
+    extract asks to pin model.revision to the commit the data came from (the same weights: the target's fingerprint
+    is). The stages rerun, the shards already written hold the same states and are kept, not recomputed; shards of an
+    earlier plan are deleted."""
     import train.extract
 
     cfg = fresh_run(prepared, tmp_path, stages=("data", "extract"))
@@ -590,27 +594,9 @@ def test_extract_keeps_its_shards_when_only_how_it_runs_changes(prepared, tmp_pa
     (out / "train-09999.safetensors").write_bytes(b"left by another shard_mb")
     passes = []
     monkeypatch.setattr(train.extract, "capture", lambda *a, **k: passes.append(1))
-    smaller = make_cfg([*BASE, f"output_root={tmp_path}", "stages=[extract]", "extract.batch_tokens=512",
-                        "extract.source=pass", "extract.reuse=false"])
-    run_stages(smaller)
-    assert read_marker(smaller, "extract")["fingerprint"] != fingerprint(cfg, "extract")   # the stage did rerun
-    assert passes == [] and {f.name: f.stat().st_mtime_ns for f in out.glob("*.safetensors")} == files
-
-
-def test_extract_keeps_its_shards_when_the_target_is_pinned(prepared, tmp_path, monkeypatch):
-    """A Hub target that moved on: extract asks to pin model.revision to the commit the data came from. The weights
-    are the same (the target's fingerprint is), so the data and extract stages rerun and every shard is kept."""
-    import train.extract
-
-    cfg = fresh_run(prepared, tmp_path, stages=("data", "extract"))
-    out = stage_dir(cfg, "extract")
-    files = {f.name: f.stat().st_mtime_ns for f in out.glob("*.safetensors")}
-    passes = []
-    monkeypatch.setattr(train.extract, "capture", lambda *a, **k: passes.append(1))
-    pinned = make_cfg([*BASE, f"output_root={tmp_path}", "stages=[data,extract]", "model.revision=0123abcd",
-                       "extract.source=pass", "extract.reuse=false"])
-    run_stages(pinned)
-    assert read_marker(pinned, "extract")["fingerprint"] != fingerprint(cfg, "extract")   # the stage did rerun
+    again = make_cfg([*BASE, f"output_root={tmp_path}", *changed, "extract.source=pass", "extract.reuse=false"])
+    run_stages(again)
+    assert read_marker(again, "extract")["fingerprint"] != fingerprint(cfg, "extract")   # the stage did rerun
     assert passes == [] and {f.name: f.stat().st_mtime_ns for f in out.glob("*.safetensors")} == files
 
 
