@@ -380,13 +380,18 @@ def fsync_dir(path: Path) -> None:
             raise
 
 
-def fsync_tree(root: Path) -> None:
-    """Every file under ``root`` and every folder's entries on disk: before a pointer (a ``latest`` file, a rename)
-    names what a library wrote without fsync (DeepSpeed's checkpoints, safetensors' files)."""
-    for folder, _, files in os.walk(root):
+def fsync_tree(root: Path, skip: frozenset[str] = frozenset()) -> None:
+    """Every file under ``root`` and every folder's entries on disk: before a pointer (a ``latest`` file, a rename, a
+    stage's marker) names what a library wrote without fsync (DeepSpeed's checkpoints, safetensors' files, Arrow's).
+    ``skip``: names of folders not walked (synced already, or not an output: a stage's kept states, TBs)."""
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip]
         for name in files:
-            with open(Path(folder) / name, "rb") as f:
-                os.fsync(f.fileno())
+            try:
+                with open(Path(folder) / name, "rb") as f:
+                    os.fsync(f.fileno())
+            except FileNotFoundError:   # replaced since it was listed (a heartbeat's temporary file): not an output
+                continue
         fsync_dir(Path(folder))
 
 

@@ -81,6 +81,8 @@ def fp(name: str, *overrides: str, tmp: Path) -> str:
     ("export", "publish.repo_id=me/heads", True),       # the model card's serve commands name the repo
     ("export", "model.hub_id=org/target", True),        # and the target
     ("export", "publish.private=true", False),
+    ("publish", "publish.token=hf_secret", False),      # a rotated token uploads nothing again (nor is it in the marker)
+    ("publish", "publish.repo_id=me/heads", True),
 ])
 def test_fingerprints_count_only_what_changes_the_result(tmp_path, stage, override, counts):
     assert (fp(stage, override, tmp=tmp_path) != fp(stage, tmp=tmp_path)) is counts
@@ -241,6 +243,8 @@ def test_a_forced_run_repeated_after_a_crash_resumes_what_it_started(prepared, t
         run_stages(forced)
     assert (ckpt / train.loop.FORCED).exists() and (ckpt / "latest").read_text() == "step0000006"
     monkeypatch.setattr(train.loop.Trainer, "finish", real)
+    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", "stages=[data]"]))   # another command between: it stays
+    assert (ckpt / train.loop.FORCED).exists()
     lines = logged(monkeypatch)
     run_stages(forced)
     assert any("did not finish: resuming from step0000006" in line for line in lines), lines
@@ -433,6 +437,25 @@ def test_a_checkpoint_deleted_by_hand_resumes_from_the_one_before(prepared, tmp_
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step0000002", "step0000004", "step0000006"]
 
 
+def test_the_data_stages_outputs_are_on_disk_before_its_marker(tmp_path, monkeypatch):
+    """Arrow, safetensors and the reports are written without fsync: after a node's crash a marker (fsynced) could
+    name a dataset of empty files, and the next run skip the stage and train on it (eval and export: the same path)."""
+    synced: list[str] = []
+    real = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    cfg = make_cfg([*BASE, f"output_root={tmp_path}", "stages=[data]"])
+    run_stages(cfg)
+    out = stage_dir(cfg, "data")
+    marker = next(i for i, p in enumerate(synced) if Path(p).parent == out and Path(p).name.startswith("_complete.json"))
+    outputs = {str(p) for p in (out / "dataset").rglob("*") if p.is_file()} | {str(out / "stats.json")}
+    assert outputs and outputs <= set(synced[:marker]), outputs - set(synced[:marker])
+
+
 def test_checkpoints_and_the_best_head_are_on_disk_before_anything_names_them(prepared, tmp_path, monkeypatch):
     """DeepSpeed and safetensors write without fsync: after a node crash `latest` (fsynced) could name a checkpoint
     of empty files, and the renamed head be torn. Every file of each is fsynced before `latest` names it, or before
@@ -476,6 +499,11 @@ def test_a_forgotten_data_override_is_refused_before_it_overwrites_what_the_chec
         assert stages.orphaned_checkpoints(make_cfg([*forgot, ok])) is None, ok
     # extract reruns for how it computes (extract.batch_tokens) but finds its shards done: nothing at stake
     assert stages.orphaned_checkpoints(make_cfg([*BASE, f"output_root={tmp_path}", "extract.batch_tokens=999"])) is None
+    # the target pinned to the commit its data came from (extract asks for it): data is refused (naming force=[data],
+    # which regenerates nothing), extract then reruns finding its shards done, not refused naming force=[extract]
+    pinned = [*BASE, f"output_root={tmp_path}", "model.revision=0123abcd"]
+    assert "the data stage would run again for model.revision" in stages.orphaned_checkpoints(make_cfg(pinned))
+    assert stages.orphaned_checkpoints(make_cfg([*pinned, "force=[data]"])) is None
     assert stages.orphaned_checkpoints(make_cfg([*BASE, f"output_root={tmp_path}"])) is None   # the same command
 
 

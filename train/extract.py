@@ -108,15 +108,16 @@ def check_data(cfg: DictConfig, tokenizer) -> dict:
 
 
 def shard_fingerprint(cfg: DictConfig, target: str, dtype: torch.dtype) -> str:
-    """What a shard's states depend on: the extract stage's keys less :data:`HOW` and less where the target is loaded
-    from (``model.revision``, ``path``, ``hub_id``), for which the target's own fingerprint ``target`` (the data
-    manifest's: its files) stands, and the precision of the passes ``dtype`` (resolved: ``dtype=auto`` and
-    ``bfloat16`` on a GPU are the same passes). Pinning ``model.revision`` to the commit the data came from, as
-    :func:`check_data` asks, or pointing ``model.path`` at the same snapshot keeps every finished shard; an extraction
-    resumed in another precision redoes the shards of the first (its states are not mixed)."""
-    location = ("model.revision", "model.path", "model.hub_id")
-    return digest({"config": fingerprint(cfg, "extract", ignore=(*HOW["extract"], *location)), "target": target,
-                   "dtype": str(dtype)})
+    """What a shard's states depend on: the extract stage's keys less :data:`HOW` (which holds where the target is
+    loaded from: ``model.revision``, ``path``, ``hub_id``), the target's own fingerprint ``target`` (the data
+    manifest's: its files) and the precision of the passes ``dtype`` (resolved: ``dtype=auto`` and ``bfloat16`` on a
+    GPU are the same passes). Pinning ``model.revision`` to the commit the data came from, as :func:`check_data` asks,
+    or pointing ``model.path`` at the same snapshot keeps every finished shard; an extraction resumed in another
+    precision redoes the shards of the first (its states are not mixed)."""
+    return digest({"config": fingerprint(cfg, "extract", ignore=HOW["extract"]), "target": target, "dtype": str(dtype)})
+
+
+BEFORE_LOCATION = tuple(k for k in HOW["extract"] if not k.startswith("model."))   # HOW before 2026-12-07
 
 
 def plan_shards(lengths: dict[str, list[int]], bytes_per_token: int, shard_mb: float) -> list[dict]:
@@ -319,8 +320,8 @@ def run(cfg: DictConfig) -> dict:
             log(f"[extract] deleting the hidden states kept while regenerating ({kept}): extract.source=pass")
             shutil.rmtree(kept, ignore_errors=True)
     redo = "extract" in cfg.force  # force: every shard again, not only the missing ones
-    fps = {fp, fingerprint(cfg, "extract", ignore=HOW["extract"]),   # (shards made before 2026-12-08)
-           fingerprint(cfg, "extract", ignore=HOW["extract"], legacy=True)}  # (shards made before 2026-12-06)
+    fps = {fp, fingerprint(cfg, "extract", ignore=BEFORE_LOCATION),   # (shards made before 2026-12-07, late)
+           fingerprint(cfg, "extract", ignore=BEFORE_LOCATION, legacy=True)}  # (shards made before 2026-12-06)
     # Which shards are left, each judged by one rank (~60k shards at 8B x 1B tokens: rank 0 reading every header
     # alone kept the others in a collective for minutes on a network filesystem), gathered: one view on every rank
     # (ranks reading the same files could disagree on a shared filesystem, and ZeRO-3's passes must match). What is

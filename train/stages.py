@@ -28,7 +28,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from data.formats import write_atomic
+from data.formats import fsync_tree, write_atomic
 from train import dist
 from train.errors import MissingStageError, UserError
 from train.log import log
@@ -65,10 +65,14 @@ IGNORED = {
     "train": ["train.log_every", "train.num_threads", "train.keep_checkpoints", "train.checkpoint_every",
               "train.prefetch"],
     "eval": ["eval.num_threads", "eval.shared_dir"],
+    "publish": ["publish.token"],   # (nor kept in its marker: a secret)
 }
 # Keys that change how a stage computes, not what: they count in its fingerprint (it reruns), but work written under
 # other values is complete (extract's shards are found done), so its output and what follows stay.
-HOW = {"extract": ("extract.batch_tokens", "extract.zero_stage", "extract.source", "extract.reuse")}
+# Extract's shards are named by the target's own fingerprint (train.extract.shard_fingerprint): where it loads from
+# (a revision pinned to the commit the data came from, a model.path at that snapshot) is how, not what.
+HOW = {"extract": ("extract.batch_tokens", "extract.zero_stage", "extract.source", "extract.reuse",
+                   "model.revision", "model.path", "model.hub_id")}
 # Keys added after runs were made, with the value that reproduces those runs: at that value a key does not
 # count, so a finished stage (or a checkpoint) made before the key existed stays valid after an upgrade.
 ADDED = {"head.dropout": 0.0, "data.train_rows": None, "head.ttt_reach_topk": 0, "train.autocast": None,
@@ -366,8 +370,8 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
         dist.barrier()
         log(f"[{name}] done in {marker['wall_s']} s")
         results[name] = marker
-    if dist.is_main():   # the command has done all it was asked: a force=[train] again starts over again
-        (stage_dir(cfg, "train") / "checkpoints" / FORCED).unlink(missing_ok=True)
+    if dist.is_main() and "train" in cfg.force and "train" in cfg.stages:   # the forcing command has done all it was
+        (stage_dir(cfg, "train") / "checkpoints" / FORCED).unlink(missing_ok=True)   # asked: it starts over again
     return results
 
 
@@ -402,9 +406,11 @@ def _write_marker(cfg: DictConfig, name: str, fp: str, start: float, out: dict |
               "output_id": output_id(cfg, name, fp) if dist.is_main() else None, "wall_s": round(time.time() - start, 1),
               "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "outputs": out or {},
               "config": flat_config(cfg, name)}   # what it was made with (a later command's differences named)
-    if name == "data":
-        marker["files"] = input_files(cfg)
     if dist.is_main():
+        if name == "data":
+            marker["files"] = input_files(cfg)
+        if name in ("data", "eval", "export"):   # written without fsync (Arrow, safetensors, reports): on disk before the
+            fsync_tree(stage_dir(cfg, name), skip=frozenset({"captured"}))   # marker names them (a node's crash)
         _save_marker(cfg, name, marker)
     return marker
 
