@@ -82,12 +82,19 @@ class CaptureWriter:
             return
         name = f"part-{time.time_ns()}-{os.getpid()}.safetensors"
         tmp = self.dir / f".{name}.tmp"
-        save_file({"hidden": torch.cat([h.to("cpu", self.dtype) for h in hidden]).contiguous(),
-                   "argmax": torch.cat([a.to("cpu", torch.int32) for a in argmax]).contiguous(),
-                   "ids": torch.tensor([t for i in ids for t in i], dtype=torch.int32),
-                   "offsets": torch.tensor([0, *lengths]).cumsum(0)},
-                  str(tmp), metadata={**self.meta, "keys": json.dumps(keys)})
-        durable_replace(tmp, self.dir / name)
+        try:
+            save_file({"hidden": torch.cat([h.to("cpu", self.dtype) for h in hidden]).contiguous(),
+                       "argmax": torch.cat([a.to("cpu", torch.int32) for a in argmax]).contiguous(),
+                       "ids": torch.tensor([t for i in ids for t in i], dtype=torch.int32),
+                       "offsets": torch.tensor([0, *lengths]).cumsum(0)},
+                      str(tmp), metadata={**self.meta, "keys": json.dumps(keys)})
+            durable_replace(tmp, self.dir / name)
+        except (OSError, SafetensorError) as e:   # a quota the free space did not show (NFS, Lustre), a failing disk:
+            tmp.unlink(missing_ok=True)           # regeneration goes on (it stopped, and every rerun again)
+            self.full = True
+            log(f"[data] keeping no more hidden states: writing them to {self.dir} failed ({e}); the extract stage "
+                "computes the rows not kept")
+            return
         self.rows += len(keys)
         self.tokens += sum(lengths)
         self.bytes += nbytes

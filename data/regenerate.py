@@ -26,7 +26,7 @@ import shutil
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -342,7 +342,9 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
         model = model()
     eos = eos_ids(tokenizer, model.generation_config)
     # Sampled answers: each its own CPU generator, seeded by (seed, conversation, turn) as the server backends seed
-    # their requests, so an answer does not depend on the rank, the batch or the rerun that generates it.
+    # their requests, so its random draws do not depend on the rank, the batch or the rerun that generates it (its
+    # logits can: bf16 matmuls round by batch composition; nothing relies on answers being bit-identical, kept states
+    # are matched to rows by their token ids).
     generators: dict[str, torch.Generator] = {}
 
     def seeded(key: str) -> None:
@@ -416,7 +418,7 @@ def _on_out_of_memory(batch_size: int, path: Path, flush: Callable[[bool], None]
     """Out of device memory while regenerating: the answers finished so far are written (``flush(False)``:
     without their kept states, whose lm_head argmax would allocate again while the failed step's tensors are
     still held by the traceback; extract computes those rows), then one line says what to lower; a rerun
-    continues from the cache."""
+    continues from the cache. Any other failure (a CUDA error, a full disk, Ctrl-C) writes them too, then raises."""
     try:
         yield
     except torch.OutOfMemoryError as e:
@@ -426,6 +428,10 @@ def _on_out_of_memory(batch_size: int, path: Path, flush: Callable[[bool], None]
             f"(prompt + data.regen.max_new_tokens)): lower data.regen.batch_size, e.g. "
             f"data.regen.batch_size={max(1, batch_size // 2)}, and rerun: the answers finished so far are kept in "
             f"{path} and not generated again") from e
+    except BaseException:
+        with suppress(Exception):   # (the failure may be the writing itself)
+            flush(False)
+        raise
 
 
 def _flush(f, lines: list[str], capture: CaptureWriter | None, captured: list[tuple[str, Answer]],

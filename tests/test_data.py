@@ -257,10 +257,16 @@ def as_text(messages: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if k != "token_ids"} for m in messages]
 
 
-def test_out_of_memory_while_regenerating_names_the_fix_and_keeps_the_answers(tiny_llama_cfg, tmp_path, monkeypatch):
+@pytest.mark.parametrize("error, raised", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), RegenMemoryError),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), RuntimeError),   # any other failure
+    (KeyboardInterrupt(), KeyboardInterrupt)], ids=["oom", "cuda-error", "ctrl-c"])
+def test_out_of_memory_while_regenerating_names_the_fix_and_keeps_the_answers(tiny_llama_cfg, tmp_path, monkeypatch,
+                                                                             error, raised):
     """Out of device memory mid-run: one error naming data.regen.batch_size, the answers finished before it
     written to the cache (here three first turns, fewer than a batch: written only because of the error),
-    and the rerun generates only what is missing and ends where an uninterrupted run does."""
+    and the rerun generates only what is missing and ends where an uninterrupted run does. Any other failure (a CUDA
+    error, Ctrl-C) keeps them too (only an out-of-memory error did)."""
     model, tok = load_target(tiny_llama_cfg), load_tokenizer(tiny_llama_cfg)
     rcfg = tiny_llama_cfg.data.regen.copy()
     rcfg.max_new_tokens, rcfg.batch_size = 12, 4
@@ -274,12 +280,13 @@ def test_out_of_memory_while_regenerating_names_the_fix_and_keeps_the_answers(ti
     def short_of_memory(*args, **kwargs):
         calls.append(1)
         if len(calls) == 20:  # the first turns answered (13 passes), the second ones decoding
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            raise error
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(model, "forward", short_of_memory)
     path = tmp_path / "oom.jsonl"
-    with pytest.raises(RegenMemoryError, match=r"lower data.regen.batch_size, e.g. data.regen.batch_size=2, and rerun"):
+    with pytest.raises(raised, match=r"lower data.regen.batch_size, e.g. data.regen.batch_size=2, and rerun"
+                       if raised is RegenMemoryError else None):
         regenerate(convs, model, tok, rcfg, None, path)
     kept = read_cache(path)
     # (a first answer that ends its conversation for now keeps its token_ids, which the second answer drops)
@@ -288,6 +295,20 @@ def test_out_of_memory_while_regenerating_names_the_fix_and_keeps_the_answers(ti
     rerun = regenerate(convs, model, tok, rcfg, None, path)
     assert 0 < rerun["new_tokens"] < full["new_tokens"]
     assert read_cache(path) == reference
+
+
+def test_a_failed_write_of_kept_states_keeps_no_more_and_regenerates_on(tmp_path, monkeypatch):
+    """A quota the free space does not show (NFS, Lustre) fails the write of kept states: regeneration stopped there,
+    and every rerun again at its first write. Now the writer keeps no more and the answers go on."""
+    import data.captured
+
+    def no_room(*args, **kwargs):
+        raise OSError(122, "Disk quota exceeded")
+
+    monkeypatch.setattr(data.captured, "save_file", no_room)
+    capture = CaptureWriter(tmp_path / "captured", [1, 2], "float32", "tiny", keep_free=0)
+    capture.write(["k"], [[1, 2, 3]], [torch.zeros(3, 2, 4)], [torch.zeros(3, dtype=torch.int32)])
+    assert capture.full and capture.rows == 0 and not list((tmp_path / "captured").iterdir())
 
 
 def test_out_of_memory_while_keeping_states_still_names_the_fix(tiny_llama_cfg, tmp_path, monkeypatch):

@@ -927,6 +927,33 @@ def test_the_heartbeat_carries_a_rising_count_and_the_progress_bars_steps(tmp_pa
     assert not path.exists()
 
 
+def test_a_heartbeat_outlives_a_network_filesystems_moment(tmp_path, monkeypatch):
+    """One EIO or ESTALE of a network filesystem ended the heartbeat thread for good: 600 s later the waiting ranks
+    stopped a live rank's run. The beat goes on; a reader's own error is read as no change, not raised."""
+    import errno
+
+    path = tmp_path / stages.ALIVE
+    real, fails = os.replace, [2]
+
+    def flaky(src, dst):
+        if fails[0]:
+            fails[0] -= 1
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return real(src, dst)
+
+    monkeypatch.setattr(stages.os, "replace", flaky)
+    with stages.heartbeat(path, 0.01):
+        for _ in range(2000):   # up to ~20 s of a stalled machine
+            if path.exists():
+                break
+            time.sleep(0.01)
+        assert path.exists() and fails == [0]
+    monkeypatch.setattr(stages.os, "replace", real)
+    unreadable = tmp_path / "a_folder"
+    unreadable.mkdir()   # reading it raises IsADirectoryError, an OSError like EIO
+    assert stages.Pulse(unreadable, stale_s=60).problem("rank 1", "working") is None
+
+
 def test_metrics_of_a_crashed_run_are_cut_at_the_resumed_step(tmp_path):
     """Training resumes at its checkpoint's step: metrics.jsonl keeps the records up to it; a last line torn by the
     crash (a full disk) is dropped, not a JSONDecodeError that stopped every resume."""

@@ -456,8 +456,11 @@ def heartbeat(path: Path, every_s: float) -> Iterator[None]:
         while True:
             count += 1
             tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(f"{count} {STEPS[0]}")
-            os.replace(tmp, path)
+            try:
+                tmp.write_text(f"{count} {STEPS[0]}")
+                os.replace(tmp, path)
+            except OSError:   # a network filesystem's moment (EIO, ESTALE): the next beat, not a thread gone for
+                pass          # good (the waiting ranks then took this live rank for dead)
             if stop.wait(every_s):
                 return
 
@@ -488,6 +491,8 @@ class Pulse:
             beat = self.path.read_text()
         except FileNotFoundError:  # not yet written, or removed as its stage ends
             beat = None
+        except OSError:   # a network filesystem's moment (EIO, ESTALE): as it was (not this waiting rank's crash)
+            beat = self.last
         now = time.monotonic()
         if beat != self.last:
             self.last, self.since = beat, now
