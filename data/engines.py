@@ -35,7 +35,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -165,10 +165,17 @@ def regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
     Returns the regeneration stats on rank 0, ``None`` on the other ranks (their share is written; rank 0
     does the rest of the data stage).
     """
-    if not dist.is_main():
-        return _regenerate_answers(cfg, convs, tokenizer, path, client)
-    with cache_lock(path):
-        fold_parts(path)  # whatever runs now (any backend, rank count or one process) resumes an interrupted shard
+    from train.stages import shares_work
+
+    with ExitStack() as held:
+        def hold() -> None:
+            held.enter_context(cache_lock(path))
+            fold_parts(path)  # whatever runs now (any backend, rank count or one process) resumes an interrupted shard
+
+        if shares_work(cfg, "data"):   # rank 0 holds it; its refusal reaches every rank (they waited in a barrier for
+            dist.on_main(hold)         # dist_timeout_minutes where no launcher stops them: other nodes)
+        elif dist.is_main():
+            hold()
         return _regenerate_answers(cfg, convs, tokenizer, path, client)
 
 

@@ -892,6 +892,40 @@ def test_a_second_run_on_the_same_cache_stops_at_once_naming_the_holder(tmp_path
     assert regenerate_answers(cfg, CONVS[:2], tok, path)["generated"] == 2
 
 
+def _refused_rank(rank: int, port: int, root: str) -> None:
+    import datetime
+
+    import torch.distributed as tdist
+
+    from data.engines import regenerate_answers
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    tdist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    cfg = make_cfg(RANKS[1:] + [f"output_root={root}"])
+    try:
+        regenerate_answers(cfg, CONVS[:2], load_tokenizer(cfg), Path(root) / "cache.jsonl")
+        outcome = "regenerated"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    finally:
+        tdist.destroy_process_group()
+    Path(f"{root}/rank{rank}.txt").write_text(outcome)
+
+
+def test_a_cache_held_by_another_run_stops_every_rank(tmp_path):
+    """Rank 0 refuses a cache another run holds; the other ranks, which share the hf regeneration, waited in a barrier
+    for dist_timeout_minutes (an hour: on other nodes no launcher stops them). They stop with rank 0's error."""
+    import torch.multiprocessing as mp
+
+    from data.engines import cache_lock
+    from train.dist import free_port
+
+    with cache_lock(tmp_path / "cache.jsonl"):
+        mp.spawn(_refused_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.txt").read_text().startswith("RegenError: another run is regenerating into")
+
+
 def test_rank0_stops_when_a_rank_stops_beating_before_its_share_is_done(tmp_path, monkeypatch):
     """Rank 0 of 2 (run alone here: rank 1 never starts, as if killed without a word on another node) answers its
     share, then stops with an error naming rank 1's heartbeat instead of waiting for its done file forever."""
