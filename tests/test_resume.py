@@ -927,6 +927,21 @@ def test_the_heartbeat_carries_a_rising_count_and_the_progress_bars_steps(tmp_pa
     assert not path.exists()
 
 
+def test_a_rank0_stage_whose_marker_fails_tells_the_waiting_ranks(tmp_path, monkeypatch):
+    """Writing the marker (its output id hashes the data; its outputs are fsynced) ran after the failure handler: an
+    error there left no _failed.json, and the other ranks waited STALE_S for a rank 0 taken for dead."""
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "fake_eval", types.SimpleNamespace(run=lambda cfg: {}))
+    monkeypatch.setitem(stages.ENTRY, "eval", "fake_eval")
+    monkeypatch.setattr(stages, "output_id", lambda *a: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+    cfg = make_cfg([*BASE, f"output_root={tmp_path}", "stages=[eval]"])
+    with pytest.raises(OSError, match="Input/output error"):
+        run_stages(cfg)
+    assert "Input/output error" in (stage_dir(cfg, "eval") / stages.FAILED).read_text()
+
+
 def test_a_heartbeat_outlives_a_network_filesystems_moment(tmp_path, monkeypatch):
     """One EIO or ESTALE of a network filesystem ended the heartbeat thread for good: 600 s later the waiting ranks
     stopped a live rank's run. The beat goes on; a reader's own error is read as no change, not raised."""

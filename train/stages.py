@@ -354,13 +354,13 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
             dist.barrier()
             marker = _write_marker(cfg, name, fp, start, out)
         elif dist.is_main():
-            try:
+            try:   # the marker too (its output id hashes the data; its outputs are fsynced): beating, its failure told
                 with heartbeat(stage_dir(cfg, name) / ALIVE, HEARTBEAT_S) if dist.world_size() > 1 else nullcontext():
                     out = importlib.import_module(ENTRY[name]).run(cfg)
+                    marker = _write_marker(cfg, name, fp, start, out)
             except BaseException as e:
                 (stage_dir(cfg, name) / FAILED).write_text(json.dumps({"error": repr(e)}))
                 raise
-            marker = _write_marker(cfg, name, fp, start, out)
         else:  # no collective stays open while rank 0 works alone (hours of regeneration are fine)
             if shares_work(cfg, name):  # this rank's share first (it signals rank 0 by a file), then wait
                 with heartbeat(stage_dir(cfg, name) / f"{ALIVE}.rank{dist.rank()}", HEARTBEAT_S):
