@@ -504,6 +504,14 @@ def test_a_forgotten_data_override_is_refused_before_it_overwrites_what_the_chec
     pinned = [*BASE, f"output_root={tmp_path}", "model.revision=0123abcd"]
     assert "the data stage would run again for model.revision" in stages.orphaned_checkpoints(make_cfg(pinned))
     assert stages.orphaned_checkpoints(make_cfg([*pinned, "force=[data]"])) is None
+    # the data rebuilt since without a key changed (`stages=[data] force=[data]` on an edited file): its output is not
+    # what the checkpoints were made on; refused before extract reruns for hours, naming force=[train]
+    marker = read_marker(cfg, "data")
+    stages._save_marker(cfg, "data", {**marker, "output_id": "rebuilt"})
+    assert "the data stage's output changed since the training checkpoints" in stages.orphaned_checkpoints(
+        make_cfg([*BASE, f"output_root={tmp_path}"]))
+    assert stages.orphaned_checkpoints(make_cfg([*BASE, f"output_root={tmp_path}", "force=[train]"])) is None
+    stages._save_marker(cfg, "data", marker)
     assert stages.orphaned_checkpoints(make_cfg([*BASE, f"output_root={tmp_path}"])) is None   # the same command
 
 

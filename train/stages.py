@@ -233,6 +233,16 @@ def orphaned_checkpoints(cfg: DictConfig) -> str | None:
                     f"(latest {latest.read_text().strip()}) were made on its output as it is: set the old value(s) "
                     f"back to resume them, add force=[train] to start over with this command's settings, or "
                     f"force=[{name}] to rebuild it anyway (training resumes if its output comes out the same)")
+    try:   # an upstream output changed since (no key did: e.g. `stages=[data] force=[data]` on an edited file) would
+        made = json.loads((latest.parent / latest.read_text().strip() / "client.json").read_text())["identity"]
+    except (OSError, ValueError, KeyError, TypeError):   # rerun the stages after it for hours, then refuse them in train
+        return None
+    for name in upstream(cfg, "train"):
+        marker, key = read_marker(cfg, name), f"upstream {name} output"
+        if marker and key in made and made[key] != (marker.get("output_id") or marker.get("fingerprint")):
+            return (f"the {name} stage's output changed since the training checkpoints in {latest.parent} (latest "
+                    f"{latest.read_text().strip()}) were made, so they cannot resume on it: add force=[train] to start "
+                    f"over on it (the checkpoints are then deleted), or bring the {name} stage's output back as it was")
     return None
 
 
