@@ -100,7 +100,9 @@ def to_messages(row, fmt: str, prompt_field: str | list[str] | None = None) -> l
     the instruction speaks of)."""
     if prompt_field:
         fields = [prompt_field] if isinstance(prompt_field, str) else list(prompt_field)
-        return [_message("user", "\n\n".join(str(row[f]) for f in fields if row.get(f)))]
+        if not any(f in row for f in fields):   # (a misspelt field: every row empty, the source silently gone)
+            raise DataError(f"prompt_field {fields} not in the row (its keys: {sorted(row)[:10]})")
+        return [_message("user", "\n\n".join(text for f in fields if f in row and (text := _text(row[f]))))]
     if fmt == "auto":
         fmt = detect_format(row)
     if fmt == "sharegpt":

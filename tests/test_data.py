@@ -168,6 +168,8 @@ def test_instruction_rows_with_prompt_field_and_ids_of_their_own(tmp_path):
                                                          json.dumps({"instruction": "Say hi.", "input": ""})])
     assert [c["messages"] for c in read_source({"path": str(with_input), "prompt_field": ["instruction", "input"]},
                                                 "raise", Counter())] == [[U("Summarise it.\n\nA text.")], [U("Say hi.")]]
+    with pytest.raises(DataError, match=r"prompt_field \['instructions'\] not in the row \(its keys: \['input', 'instruction'\]"):
+        list(read_source({"path": str(with_input), "prompt_field": "instructions"}, "raise", Counter()))
     reordered = write_jsonl(tmp_path / "alpaca.jsonl", [json.dumps(r) for r in rows[::-1]])
     assert {c["id"] for c in read_source({"path": str(reordered), "prompt_field": "instruction"}, "raise",
                                          Counter())} == {c["id"] for c in got}

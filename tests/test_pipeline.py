@@ -600,6 +600,14 @@ def test_extract_keeps_its_shards_when_only_how_it_runs_changes(prepared, tmp_pa
     assert passes == [] and {f.name: f.stat().st_mtime_ns for f in out.glob("*.safetensors")} == files
 
 
+def test_training_refuses_states_of_another_target(prepared, tmp_path):
+    """`stages=[train]` with the target changed (model.path at other weights; another seed of the twin here) trained a
+    head with the new target's embedding and lm_head on the old one's states, without a word."""
+    fresh_run(prepared, tmp_path, "stages=[train]")
+    with pytest.raises(ExtractError, match=r"extracted from another target .* rerun the data and extract stages"):
+        run_stages(make_cfg([*BASE, f"output_root={tmp_path}", "stages=[train]", "model.init_seed=1"]))
+
+
 def test_time_budget_fits_the_schedule_and_stops(prepared, tmp_path):
     # patience off: only the budget stops the run (epochs of 24 rows end in early stopping on a slow machine)
     cfg = fresh_run(prepared, tmp_path, "stages=[train]", "train.max_steps=100000", "train.max_minutes=0.15",

@@ -253,6 +253,13 @@ def test_a_forced_run_repeated_after_a_crash_resumes_what_it_started(prepared, t
     run_stages(forced)   # finished: force=[train] starts over
     assert any("deleting" in line for line in lines)
     assert [m["step"] for m in train_metrics(forced)][-6:] == list(range(1, 7))
+    # a forced run that crashed, finished by a command without force: the next force=[train] starts over too
+    monkeypatch.setattr(train.loop.Trainer, "finish", lambda self: (_ for _ in ()).throw(RuntimeError("crash")))
+    with pytest.raises(RuntimeError, match="crash"):
+        run_stages(forced)
+    monkeypatch.setattr(train.loop.Trainer, "finish", real)
+    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", "stages=[train]"]))
+    assert not (ckpt / train.loop.FORCED).exists()
 
 
 def test_another_rank_count_resumes_with_the_same_micro_batches_per_step(tmp_path):
@@ -511,6 +518,8 @@ def test_a_forgotten_data_override_is_refused_before_it_overwrites_what_the_chec
     assert "the data stage's output changed since the training checkpoints" in stages.orphaned_checkpoints(
         make_cfg([*BASE, f"output_root={tmp_path}"]))
     assert stages.orphaned_checkpoints(make_cfg([*BASE, f"output_root={tmp_path}", "force=[train]"])) is None
+    # (forced, data may come out as the checkpoints' again: train compares once it has)
+    assert stages.orphaned_checkpoints(make_cfg([*BASE, f"output_root={tmp_path}", "force=[data]"])) is None
     stages._save_marker(cfg, "data", marker)
     assert stages.orphaned_checkpoints(make_cfg([*BASE, f"output_root={tmp_path}"])) is None   # the same command
 
@@ -537,6 +546,20 @@ def test_markers_made_before_the_fingerprint_rules_of_2026_12_06_stay_current(tm
     for name in ("data", "extract"):
         marker = read_marker(cfg, name)
         assert marker["fingerprint"] == stages.fingerprint(cfg, name) and marker["output_id"] == old[name]["output_id"]
+
+
+def test_a_publish_marker_made_while_the_token_counted_stays_current_without_it(tmp_path):
+    """publish.token counted in the publish fingerprint and was kept in its marker's config (a secret on disk): a
+    marker of then is current (nothing uploaded again) and rewritten without the token."""
+    cfg = make_cfg([*BASE, f"output_root={tmp_path}", "publish.token=hf_secret"])
+    old = {"stage": "publish", "fingerprint": stages.fingerprint(cfg, "publish", legacy=True), "output_id": "x",
+           "config": {**stages.flat_config(cfg, "publish"), "publish.token": "hf_secret"}}
+    assert old["fingerprint"] != stages.fingerprint(cfg, "publish")
+    stage_dir(cfg, "publish").mkdir(parents=True)
+    (stage_dir(cfg, "publish") / stages.MARKER).write_text(json.dumps(old))
+    stages.migrate_markers(cfg)
+    marker = read_marker(cfg, "publish")
+    assert marker["fingerprint"] == stages.fingerprint(cfg, "publish") and "hf_secret" not in json.dumps(marker)
 
 
 def test_a_second_run_in_the_same_run_directory_stops_at_once(tmp_path):

@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from functools import partial
 from pathlib import Path
 
@@ -169,8 +169,8 @@ def config_parts(cfg: DictConfig, name: str, ignore: tuple[str, ...] = (), legac
     for key in DEPENDS[name]:
         value = OmegaConf.select(cfg, key)
         parts[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-    dropped = [*IGNORED.get(name, []), *ignore] + [k for k, v in ADDED.items()
-                                                   if OmegaConf.select(cfg, k, default=v) == v]
+    ignored = [k for k in IGNORED.get(name, []) if not (legacy and k == "publish.token")]   # (counted before 2026-12-07)
+    dropped = [*ignored, *ignore] + [k for k, v in ADDED.items() if OmegaConf.select(cfg, k, default=v) == v]
     for key in dropped:
         dep = next((d for d in DEPENDS[name] if key == d or key.startswith(d + ".")), None)
         if dep is None:  # an ADDED key of another stage
@@ -237,8 +237,10 @@ def orphaned_checkpoints(cfg: DictConfig) -> str | None:
         made = json.loads((latest.parent / latest.read_text().strip() / "client.json").read_text())["identity"]
     except (OSError, ValueError, KeyError, TypeError):   # rerun the stages after it for hours, then refuse them in train
         return None
-    for name in upstream(cfg, "train"):
-        marker, key = read_marker(cfg, name), f"upstream {name} output"
+    for name in upstream(cfg, "train"):   # up to the first this command reruns (it may bring the output back: train
+        marker, key = read_marker(cfg, name), f"upstream {name} output"   # compares once it has)
+        if name in cfg.stages and (name in cfg.force or not marker or marker["fingerprint"] != fingerprint(cfg, name)):
+            break
         if marker and key in made and made[key] != (marker.get("output_id") or marker.get("fingerprint")):
             return (f"the {name} stage's output changed since the training checkpoints in {latest.parent} (latest "
                     f"{latest.read_text().strip()}) were made, so they cannot resume on it: add force=[train] to start "
@@ -380,8 +382,8 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
         dist.barrier()
         log(f"[{name}] done in {marker['wall_s']} s")
         results[name] = marker
-    if dist.is_main() and "train" in cfg.force and "train" in cfg.stages:   # the forcing command has done all it was
-        (stage_dir(cfg, "train") / "checkpoints" / FORCED).unlink(missing_ok=True)   # asked: it starts over again
+    if dist.is_main() and "train" in cfg.stages:   # a command that trains has done all it was asked (the training
+        (stage_dir(cfg, "train") / "checkpoints" / FORCED).unlink(missing_ok=True)   # finished): force starts over again
     return results
 
 
@@ -444,8 +446,9 @@ def migrate_markers(cfg: DictConfig) -> None:
     """(Rank 0) Give the data and extract markers written before 2026-12-06 (``model.hub_id`` counted beside a
     ``model.path``) today's fingerprint where they were current then (the Hub id never changed what they computed):
     the change reruns nothing made before it. Their output ids stay (a marker older than output ids: its old
-    fingerprint), and with them the training checkpoints' identity."""
-    for name in ("data", "extract"):
+    fingerprint), and with them the training checkpoints' identity. So the publish marker written before 2026-12-07,
+    when ``publish.token`` counted (and was kept in its config: rewritten without it)."""
+    for name in ("data", "extract", "publish"):
         marker, fp = read_marker(cfg, name), fingerprint(cfg, name)
         if marker and marker["fingerprint"] != fp and marker["fingerprint"] == fingerprint(cfg, name, legacy=True):
             _save_marker(cfg, name, {**marker, "fingerprint": fp, "config": flat_config(cfg, name),
@@ -481,7 +484,8 @@ def heartbeat(path: Path, every_s: float) -> Iterator[None]:
     finally:
         stop.set()
         thread.join()
-        path.unlink(missing_ok=True)
+        with suppress(OSError):   # (EIO, ESTALE: the stage's outcome, written already, is what counts)
+            path.unlink(missing_ok=True)
 
 
 class Pulse:
