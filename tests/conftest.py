@@ -93,6 +93,18 @@ def make_cfg(overrides: list[str], tmp: Path | None = None):
     return compose(["tracking=none", *extra, *overrides])
 
 
+@pytest.fixture(scope="session")
+def vllm_env() -> None:
+    """The vLLM environment (`.venv-vllm`); created (`make vllm-env`) when missing, skipped only when that fails (the
+    first test asking for it, in any order or tier, builds it)."""
+    if (ROOT / ".venv-vllm" / "bin" / "python").exists():
+        return
+    proc = subprocess.run([str(ROOT / "scripts" / "setup_vllm_env.sh")], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0 or not (ROOT / ".venv-vllm" / "bin" / "python").exists():
+        pytest.skip(f".venv-vllm is missing and could not be created (scripts/setup_vllm_env.sh exit "
+                    f"{proc.returncode}):\n{(proc.stdout + proc.stderr)[-2000:]}")
+
+
 @pytest.fixture
 def cfg_factory(tmp_path):
     return lambda *overrides: make_cfg(list(overrides), tmp_path)

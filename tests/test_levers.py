@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -449,9 +448,9 @@ def test_average_follows_the_weights_and_is_swapped_in_only_inside_the_block():
 
 
 @pytest.mark.parametrize("head", ["eagle3", "medusa"])
-def test_every_lever_row_composes_and_changes_its_key(head):
+def test_every_lever_row_composes_and_changes_its_key(head, monkeypatch):
     """Every default row of the lever table is a valid override (no typo'd key) that changes the config."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     variants = importlib.import_module("bench_levers").VARIANTS[head]
     base = make_cfg(["model=tiny-llama", f"head={head}"])
     assert variants[0] == "default:"

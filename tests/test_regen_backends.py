@@ -335,14 +335,19 @@ def test_a_server_asking_to_wait_for_long_stops_the_run_at_once(tiny, tmp_path):
                               OpenAIClient(stub.url, None, 30, 8, 1, backoff_s=0.01), eos)
     finally:
         stub.close()
-    assert time.monotonic() - start < 5.0 and len(stub.requests) <= 2   # (the next may have started before the stop)
+    assert time.monotonic() - start < 120.0 and len(stub.requests) <= 2   # (waited out: 3600 s; the next may have
+    #                                                                          started before the stop)
 
 
 def test_ctrl_c_starts_no_request_and_keeps_the_answers_in_flight(tiny, reference, tmp_path, caplog):
     """Ctrl-C while 3 requests are in flight: no new one starts, the 3 answers come back and are written."""
     _, tok, rcfg, eos = tiny
-    stub = stub_for(tiny, delay_s=1.0)
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()   # (a real signal: it wakes the main thread)
+    def third_arrives_then_ctrl_c(body: dict) -> float:   # (a real signal: it wakes the main thread in its wait)
+        if len(stub.requests) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return 1.0
+
+    stub = stub_for(tiny, delay_s=third_arrives_then_ctrl_c)
     try:
         with caplog.at_level("INFO", logger="specheads"), pytest.raises(KeyboardInterrupt):
             regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl", OpenAIClient(stub.url, None, 30, 0, 3), eos)
@@ -365,12 +370,12 @@ def test_a_failure_ends_the_other_requests_back_off(tiny, tmp_path):
                     delay_s=lambda body: 0.5 if bad(body, 0) else 0.0)
     start = time.monotonic()
     try:
-        with pytest.raises(RegenError, match="HTTP 400"):   # 3 requests in back-off of 5-10 s, then 10-20 s
+        with pytest.raises(RegenError, match="HTTP 400"):   # 3 requests in back-off: 30-60 s each (capped at 60)
             regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl",
-                              OpenAIClient(stub.url, None, 30, 3, 4, backoff_s=10.0), eos)
+                              OpenAIClient(stub.url, None, 30, 3, 4, backoff_s=600.0), eos)
     finally:
         stub.close()
-    assert time.monotonic() - start < 5.0
+    assert time.monotonic() - start < 25.0   # (waited out: at least 30 s)
 
 
 def test_a_proxy_of_the_environment_is_not_used_for_this_machine(tiny, reference, tmp_path, monkeypatch):
@@ -687,7 +692,6 @@ def test_vllm_backend_names_a_bad_interpreter(tmp_path):
 
 # --- slow tier ----------------------------------------------------------------------------------------------
 
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 ENV = child_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", OMP_WAIT_POLICY="PASSIVE")
 # float32 whatever the default: in bfloat16 an answer depends on which rows share its batch, which differ by rank count
 RANKS = ["tracking=none", "model=tiny-llama", "stages=[data]", "data.sources=[{type:builtin,limit:24}]",
@@ -766,12 +770,6 @@ def vllm_cfg(root: Path, *extra: str):
     return make_cfg([f"output_root={root}", "data.sources=[{type:builtin,limit:6}]", "data.regen.max_new_tokens=24",
                      "data.regen.backend=vllm", "data.regen.concurrency=2", "data.regen.vllm.max_model_len=2048",
                      *extra])
-
-
-@pytest.fixture(scope="module")
-def vllm_env():
-    if not VLLM_PYTHON.exists():
-        pytest.skip(".venv-vllm is missing: `make vllm-env`")
 
 
 def regen_cli(cfg_overrides: list[str], root: Path) -> LoggedRun:
@@ -1013,7 +1011,7 @@ def test_rank0_waiting_for_a_working_rank_shows_progress(tmp_path, monkeypatch):
     from train.log import STEPS
     from train.stages import ALIVE, stage_dir
 
-    cfg = make_cfg(RANKS[1:] + [f"output_root={tmp_path}", "hang_minutes=0.01"])  # 0.6 s
+    cfg = make_cfg(RANKS[1:] + [f"output_root={tmp_path}", "hang_minutes=1"])  # (a stall of a loaded machine: no false hang)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     path = tmp_path / "cache.jsonl"

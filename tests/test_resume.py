@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 import types
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -746,10 +747,11 @@ def fake_train(cfg) -> dict:
     return {}
 
 
-def test_eval_resumes_from_its_records(tmp_path, monkeypatch):
+def test_eval_resumes_from_its_records(tmp_path, monkeypatch, request):
     import eval.shared
     import eval.stage
 
+    request.addfinalizer(partial(torch.set_num_threads, torch.get_num_threads()))   # (the later tests' threads)
     torch.set_num_threads(1)
     monkeypatch.setitem(sys.modules, "fake_train", types.SimpleNamespace(run=fake_train))
     monkeypatch.setitem(stages.ENTRY, "train", "fake_train")

@@ -279,10 +279,10 @@ def test_make_bench_on_the_tiny_target(tmp_path):
 
 # --- weight decay: matrices only ------------------------------------------------------------------------
 
-def test_vllm_check_counts_tokens_per_pass_over_every_pass():
+def test_vllm_check_counts_tokens_per_pass_over_every_pass(monkeypatch):
     """A head drafts on every pass (tokens per pass = its tau); n-gram only on a match, so its tau (per
     drafted pass) overstates what a pass yields: 2 prompts x 11 new tokens = 20 decode tokens."""
-    sys.path.insert(0, str(SCRIPTS))
+    monkeypatch.syspath_prepend(str(SCRIPTS))
     from vllm_check import acceptance
 
     tokens = [list(range(11))] * 2
@@ -292,10 +292,10 @@ def test_vllm_check_counts_tokens_per_pass_over_every_pass():
     assert ngram["tau"] == 3.0 and ngram["tokens_per_pass"] == round(20 / 12, 4)   # 4 drafted + 8 plain passes
 
 
-def test_vllm_check_gives_each_export_its_own_verdict(tmp_path):
+def test_vllm_check_gives_each_export_its_own_verdict(tmp_path, monkeypatch):
     """One report per run directory holds every export of it: each gets its own ``ok`` (a model card gives vLLM's
     figures of an export only when the check passed it), the report's is all of them and the n-gram run."""
-    sys.path.insert(0, str(SCRIPTS))
+    monkeypatch.syspath_prepend(str(SCRIPTS))
     from vllm_check import NGRAM, NO_SPEC, Export, TargetCheck, reports
 
     exports = []
@@ -321,7 +321,7 @@ def test_vllm_check_runs_our_decoder_after_the_engine_where_both_copies_do_not_f
     after the engine where not (an 8B target: ~64 GB in float32, which killed the check on a 64 GB host)."""
     import psutil
 
-    sys.path.insert(0, str(SCRIPTS))
+    monkeypatch.syspath_prepend(str(SCRIPTS))
     from vllm_check import side_by_side
 
     from train.plan import shapes
