@@ -145,7 +145,8 @@ def test_every_enum_key_rejects_a_typo_listing_valid_values(key):
 
 @pytest.mark.parametrize("key", list(NUMBERS))
 def test_every_sized_key_rejects_a_non_number(key):
-    found = problems(_cfg_with(key, "many"))
+    found = [p for p in problems(_cfg_with(key, "many")) if not p.startswith("eval.chain_k=") or key == "eval.chain_k"]
+    # (eval.chain_k follows export.num_speculative_tokens by interpolation: its error comes too)
     assert len(found) == 1 and found[0].startswith(f"{key.replace('[]', '[0]')}='many' must be"), found
 
 
@@ -159,6 +160,7 @@ def test_every_sized_key_rejects_a_non_number(key):
     ("train.lr=0", "train.lr=0 must be a number > 0"),
     ("eval.tree.total_tokens=0", "eval.tree.total_tokens=0 must be an integer >= 1 or auto"),
     ("device=cuda:x", "device='cuda:x' is not valid"),
+    ("eval.dtype=bf16", "eval.dtype='bf16' is not valid (did you mean bfloat16?)"),   # (failed after training)
     ("export.formats=[medusa]", "export.formats='medusa' is not valid; valid values: auto, vllm, speculators, sglang"),
     ("data.sources=[{pth:x.jsonl}]", "data.sources[0] has unknown key(s) ['pth']"),
     ("force=eval", "force='eval' must be a list, e.g. force=[eval]"),

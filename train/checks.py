@@ -57,6 +57,7 @@ ENUMS = {
     "data.sources[].format": ("auto", "sharegpt", "messages", "ultrachat", "turns", "humaneval", "prompts"),
     "data.sources[].split": ("train", "validation", None),
     "extract.dtype": DTYPES,
+    "eval.dtype": ("auto", *DTYPES),
     "extract.source": ("auto", "pass", "regen"),
     "extract.zero_stage": (0, 1, 2, 3),
     "train.positions": ("all", "assistant"),
