@@ -445,17 +445,22 @@ def test_a_checkpoint_deleted_by_hand_resumes_from_the_one_before(prepared, tmp_
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step0000002", "step0000004", "step0000006"]
 
 
-def test_the_data_stages_outputs_are_on_disk_before_its_marker(tmp_path, monkeypatch):
-    """Arrow, safetensors and the reports are written without fsync: after a node's crash a marker (fsynced) could
-    name a dataset of empty files, and the next run skip the stage and train on it (eval and export: the same path)."""
-    synced: list[str] = []
-    real = os.fsync
+@pytest.fixture
+def synced(monkeypatch) -> list[str]:
+    """The paths fsynced from here on, in order."""
+    paths, real = [], os.fsync
 
     def recording(fd: int) -> None:
-        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        paths.append(os.readlink(f"/proc/self/fd/{fd}"))
         real(fd)
 
     monkeypatch.setattr(os, "fsync", recording)
+    return paths
+
+
+def test_the_data_stages_outputs_are_on_disk_before_its_marker(tmp_path, synced):
+    """Arrow, safetensors and the reports are written without fsync: after a node's crash a marker (fsynced) could
+    name a dataset of empty files, and the next run skip the stage and train on it (eval and export: the same path)."""
     cfg = make_cfg([*BASE, f"output_root={tmp_path}", "stages=[data]"])
     run_stages(cfg)
     out = stage_dir(cfg, "data")
@@ -464,18 +469,10 @@ def test_the_data_stages_outputs_are_on_disk_before_its_marker(tmp_path, monkeyp
     assert outputs and outputs <= set(synced[:marker]), outputs - set(synced[:marker])
 
 
-def test_checkpoints_and_the_best_head_are_on_disk_before_anything_names_them(prepared, tmp_path, monkeypatch):
+def test_checkpoints_and_the_best_head_are_on_disk_before_anything_names_them(prepared, tmp_path, synced):
     """DeepSpeed and safetensors write without fsync: after a node crash `latest` (fsynced) could name a checkpoint
     of empty files, and the renamed head be torn. Every file of each is fsynced before `latest` names it, or before
     the head's folder is renamed into place."""
-    synced: list[str] = []
-    real = os.fsync
-
-    def recording(fd: int) -> None:
-        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
-        real(fd)
-
-    monkeypatch.setattr(os, "fsync", recording)
     cfg = fresh_run(prepared, tmp_path, "stages=[train]", "train.checkpoint_every=2", "train.max_steps=4",
                     "train.eval_every=2")
     run_stages(cfg)
