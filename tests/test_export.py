@@ -445,14 +445,16 @@ def test_a_re_export_keeps_the_users_generation_config_and_names_what_it_removes
     (folder / "generation_config.json").unlink()
 
 
-def test_export_removes_an_earlier_exports_other_formats(eagle_export):
+def test_export_removes_an_earlier_exports_other_formats(eagle_export, caplog):
     """An earlier export's format folder that this export does not write (export.formats narrowed) described the
-    head before: publish.format and scripts/vllm_check.py took it under this head's card."""
+    head before: publish.format and scripts/vllm_check.py took it under this head's card. It is removed, and said."""
     cfg, _, _ = eagle_export
     out = stage_dir(cfg, "export")
     assert (out / "speculators").is_dir()
-    run_stages(OmegaConf.merge(cfg, {"export": {"formats": ["vllm"]}, "force": ["export"]}))
+    with caplog.at_level("INFO", logger="specheads"):
+        run_stages(OmegaConf.merge(cfg, {"export": {"formats": ["vllm"]}, "force": ["export"]}))
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["vllm"]
+    assert any(f"removing {out / 'speculators'}: an earlier export's format" in r.message for r in caplog.records)
 
 
 def assert_portable(cfg, folder):

@@ -600,8 +600,10 @@ def run(cfg: DictConfig) -> dict:
     dtype = getattr(torch, cfg.export.dtype)
     report, vllm_check = measurements(cfg)
     summary = train_summary(cfg)
-    for other in {f for fs in FORMATS.values() for f in fs} - set(formats):  # an earlier export's, of another head
-        shutil.rmtree(out / other, ignore_errors=True)                     # (publish and vllm_check would take it)
+    for other in sorted({f for fs in FORMATS.values() for f in fs} - set(formats)):  # an earlier export's, of another
+        if (out / other).exists():                              # head (publish and vllm_check would take it)
+            log(f"[export] removing {out / other}: an earlier export's format, not written now (export.formats)")
+            shutil.rmtree(out / other, ignore_errors=True)
     terms = target_files(cfg, LICENSE_FILES)
     written = {}
     for fmt in formats:
