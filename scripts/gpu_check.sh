@@ -28,7 +28,7 @@
 # comes back under $OUT: at most 8 files, here env.txt, scale.log, default.log, summary.txt, report.md, attention.log,
 # data_scale.log), after `scripts/gpu_check.sh pack` here:
 #   1. carry .dev/call1, timeout_s 300:   OUT=$OUT BUDGET_S=280 scripts/gpu_check.sh unpack scale
-#   2. carry .dev/call2, timeout_s 600:   OUT=$OUT BUDGET_S=570 scripts/gpu_check.sh default attention
+#   2. carry .dev/call2, timeout_s 600:   CALL=2 OUT=$OUT BUDGET_S=570 scripts/gpu_check.sh default attention
 #      (it exits 3 at once if /tmp/site is gone: the machine went back between the calls; rerun call 1)
 # Every step's exit status is logged; the script exits 1 if any failed.
 #
@@ -109,7 +109,7 @@ for phase in $phases; do [[ $phase == unpack ]] || continue
 done
 SITE=${SITE:-$([ -d /tmp/site ] && echo /tmp/site)}
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
-if [ -f .dev/call2/gguf.ab ] && { [ -z "$SITE" ] || [ ! -f "$GG/gguf.aa" ]; }; then   # call 2 on a fresh machine
+if [ "${CALL:-}" = 2 ] && { [ -z "$SITE" ] || [ ! -f "$GG/gguf.aa" ]; }; then   # call 2 on a fresh machine
     echo "/tmp/site or $GG/gguf.aa is gone: the machine went back after call 1; run call 1 again"; exit 3
 fi
 if [ -n "$SITE" ]; then

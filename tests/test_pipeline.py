@@ -604,7 +604,7 @@ def test_training_refuses_states_of_another_target(prepared, tmp_path):
     """`stages=[train]` with the target changed (model.path at other weights; another seed of the twin here) trained a
     head with the new target's embedding and lm_head on the old one's states, without a word."""
     fresh_run(prepared, tmp_path, "stages=[train]")
-    with pytest.raises(ExtractError, match=r"extracted from another target .* rerun the data and extract stages"):
+    with pytest.raises(ExtractError, match=r"was made with another target/tokenizer .* add force=\[data\]"):
         run_stages(make_cfg([*BASE, f"output_root={tmp_path}", "stages=[train]", "model.init_seed=1"]))
 
 

@@ -53,7 +53,6 @@ from train.target import (
     load_weights,
     resolve_device,
     resolve_dtype,
-    target_fingerprints,
 )
 from train.tracking import Tracker
 
@@ -425,10 +424,10 @@ def setup_process(cfg: DictConfig) -> tuple[torch.device, torch.dtype]:
     require(cfg, "data")
     if not tcfg.online:
         require(cfg, "extract")
-        if problem := dist.on_main(lambda: other_target(cfg)):
-            raise ExtractError(problem)
-    else:   # the extract stage, which refuses data made with another target or tokenizer, does not run
-        check_data(cfg, load_tokenizer(cfg))
+    # data (and its states) made with another target or tokenizer: refused by the extract stage, which does not run
+    # online, nor for `stages=[train]` with model.path at other weights (their embedding and lm_head over the first
+    # target's states, without a word); a Hub repo that moved on is named with the commit to pin
+    dist.on_main(lambda: check_data(cfg, load_tokenizer(cfg)))
     device = dist.bind_device(resolve_device(cfg.device))
     dtype = resolve_dtype(cfg.dtype, device)
     dist.init(device, single=True, timeout_minutes=cfg.dist_timeout_minutes)
@@ -440,19 +439,6 @@ def setup_process(cfg: DictConfig) -> tuple[torch.device, torch.dtype]:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     return device, dtype
-
-
-def other_target(cfg: DictConfig) -> str | None:
-    """Why the hidden states cannot train a head of the target this run loads (``stages=[train]`` with
-    ``model.path`` at other weights: the head got their embedding and lm_head over the first target's states), else
-    None."""
-    made = json.loads((stage_dir(cfg, "extract") / "manifest.json").read_text()).get("target_fingerprint")
-    if made is None or made in target_fingerprints(cfg):
-        return None
-    return (f"the hidden states in {stage_dir(cfg, 'extract')} were extracted from another target (fingerprint {made}) "
-            f"than the one model={cfg.model.name} loads now: rerun the data and extract stages for it (add "
-            "stages=[data,extract,train]; the regenerated answers of a target are cached by its fingerprint), or load "
-            "the target they came from")
 
 
 def make_head(cfg: DictConfig, weights: TargetWeights, device: torch.device,
