@@ -23,6 +23,8 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
@@ -373,7 +375,7 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
         if capture is not None and capture.full:
             layers.clear()
 
-    with appending(path) as f, _on_out_of_memory(rcfg.batch_size, path, flush):
+    with appending(path) as f, _on_out_of_memory(rcfg.batch_size, path, flush), _terminate_as_interrupt():
         for finished in stream(model, queue, rcfg.batch_size, refill, rcfg.max_new_tokens, eos, tokenizer.pad_token_id,
                                rcfg.temperature, rcfg.top_p, generators.__getitem__ if rcfg.temperature > 0 else None, layers,
                                partial(_template_tail, tokenizer, state, prompts, fulls), max_length, rcfg.top_k,
@@ -407,6 +409,25 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
         stats["captured"] = {"rows": capture.rows, "tokens": capture.tokens}
     log(f"[data] regenerated {stats['new_tokens']} tokens in {stats['seconds']} s ({stats['tokens_per_s']} tok/s)")
     return stats
+
+
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raised as KeyboardInterrupt in this (main) thread while the block runs: a launcher stopping every rank
+    because one failed (DeepSpeed's: SIGTERM, SIGKILL 30 s later) ended the others at once, their finished answers
+    not yet written; now they are (:func:`_on_out_of_memory`). The previous handler afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class RegenMemoryError(UserError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 
 import pytest
@@ -297,6 +298,42 @@ def test_out_of_memory_while_regenerating_names_the_fix_and_keeps_the_answers(ti
     rerun = regenerate(convs, model, tok, rcfg, None, path)
     assert 0 < rerun["new_tokens"] < full["new_tokens"]
     assert read_cache(path) == reference
+
+
+def test_a_launchers_sigterm_writes_the_answers_finished_so_far(tiny_llama_cfg, tmp_path, monkeypatch):
+    """One rank failed: the launcher sends SIGTERM to the others (DeepSpeed's: SIGKILL 30 s later). They died at once,
+    their finished answers not yet written; now each writes them first. The previous handler is restored after."""
+    import signal
+
+    model, tok = load_target(tiny_llama_cfg), load_tokenizer(tiny_llama_cfg)
+    rcfg = tiny_llama_cfg.data.regen.copy()
+    rcfg.max_new_tokens, rcfg.batch_size = 12, 4
+    convs = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "user", "content": "and then?"}]}
+             for i in range(3)]
+    regenerate(convs, model, tok, rcfg, None, tmp_path / "full.jsonl")
+    reference = read_cache(tmp_path / "full.jsonl")
+
+    def not_handled(signum, frame):   # (what ran if the code installed nothing: no flush, not this test's process)
+        raise RuntimeError("SIGTERM not handled by the regeneration")
+
+    previous = signal.signal(signal.SIGTERM, not_handled)
+    forward, calls = model.forward, []
+
+    def terminated(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 20:  # the first turns answered (13 passes), the second ones decoding
+            os.kill(os.getpid(), signal.SIGTERM)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", terminated)
+    try:
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            regenerate(convs, model, tok, rcfg, None, tmp_path / "c.jsonl")
+        assert signal.getsignal(signal.SIGTERM) is not_handled
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    kept = read_cache(tmp_path / "c.jsonl")
+    assert len(kept) == 3 and all(as_text(r["messages"]) == as_text(reference[k]["messages"])[:2] for k, r in kept.items())
 
 
 def test_a_failed_write_of_kept_states_keeps_no_more_and_regenerates_on(tmp_path, monkeypatch):
