@@ -237,11 +237,12 @@ def orphaned_checkpoints(cfg: DictConfig) -> str | None:
         made = json.loads((latest.parent / latest.read_text().strip() / "client.json").read_text())["identity"]
     except (OSError, ValueError, KeyError, TypeError):   # rerun the stages after it for hours, then refuse them in train
         return None
+    outputs = upstream_ids(cfg, "train")
     for name in upstream(cfg, "train"):   # up to the first this command reruns (it may bring the output back: train
         marker, key = read_marker(cfg, name), f"upstream {name} output"   # compares once it has)
         if name in cfg.stages and (name in cfg.force or not marker or marker["fingerprint"] != fingerprint(cfg, name)):
             break
-        if marker and key in made and made[key] != (marker.get("output_id") or marker.get("fingerprint")):
+        if marker and key in made and made[key] != outputs[name]:
             return (f"the {name} stage's output changed since the training checkpoints in {latest.parent} (latest "
                     f"{latest.read_text().strip()}) were made, so they cannot resume on it: add force=[train] to start "
                     f"over on it (the checkpoints are then deleted), or bring the {name} stage's output back as it was")
