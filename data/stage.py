@@ -107,28 +107,41 @@ def _leaks(conv: dict) -> bool:
     return leaks(conv["messages"], _SHARED["eval_prompts"])
 
 
-def _training_row(conv: dict) -> tuple[dict | None, str | None]:
-    """(training row, note) of one conversation: the row (input_ids int32, loss_mask int8) and what was changed
-    (``truncated_to_max_length``), or None and why it is dropped (a stats key, or ``template: <error>``)."""
-    answers = [m for m in conv["messages"] if m["role"] == "assistant"]
-    if not answers:
-        return None, "dropped_no_assistant_turn"
-    if any(not m["content"].strip() for m in answers):
-        return None, "dropped_empty_answer"
+def before_empty_answer(messages: list[dict]) -> list[dict]:
+    """``messages`` up to the user turn of their first empty answer (a target that ended its turn at once): the
+    turns before it stay trained on; all of them when no answer is empty."""
+    empty = next((i for i, m in enumerate(messages) if m["role"] == "assistant" and not m["content"].strip()), None)
+    if empty is None:
+        return messages
+    return messages[:max((i for i in range(empty) if messages[i]["role"] == "user"), default=0)]
+
+
+def _training_row(conv: dict) -> tuple[dict | None, list[str]]:
+    """(training row, notes) of one conversation: the row (input_ids int32, loss_mask int8) and what was changed
+    (stats keys: ``truncated_to_max_length``, ``conversations_cut_at_empty_answer``), or None and why it is dropped
+    (a stats key, or ``template: <error>``)."""
+    if not any(m["role"] == "assistant" for m in conv["messages"]):
+        return None, ["dropped_no_assistant_turn"]
+    messages, notes = before_empty_answer(conv["messages"]), []
+    if len(messages) < len(conv["messages"]):
+        if not any(m["role"] == "assistant" for m in messages):
+            return None, ["dropped_empty_answer"]
+        notes.append("conversations_cut_at_empty_answer")
     try:
-        ids, mask = tokenize_conversation(_SHARED["tokenizer"], conv["messages"])
+        ids, mask = tokenize_conversation(_SHARED["tokenizer"], messages)
     except Exception as e:  # the template refuses the conversation (jinja's raise_exception, ...)
-        return None, f"template: {e}"
-    note = None
+        return None, [f"template: {e}"]
     if len(ids) > _SHARED["max_length"]:
         if _SHARED["overflow"] == "drop":
-            return None, "dropped_too_long"
-        ids, mask, note = ids[: _SHARED["max_length"]], mask[: _SHARED["max_length"]], "truncated_to_max_length"
+            return None, ["dropped_too_long"]
+        ids, mask = ids[: _SHARED["max_length"]], mask[: _SHARED["max_length"]]
+        notes.append("truncated_to_max_length")
     if not any(mask):
-        return None, "dropped_no_assistant_tokens"
+        return None, ["dropped_no_assistant_tokens"]
+    # the key of the whole conversation: the states kept while regenerating it may cover a cut one (data/captured.py)
     return {"id": conv["id"], "source": conv["source"], "category": conv["category"],
             "key": prompt_key(conv["messages"]), "input_ids": np.asarray(ids, dtype=np.int32),
-            "loss_mask": np.asarray(mask, dtype=np.int8), "length": len(ids)}, note
+            "loss_mask": np.asarray(mask, dtype=np.int8), "length": len(ids)}, notes
 
 
 def eval_prompt_set(cfg: DictConfig) -> set[str]:
@@ -252,7 +265,8 @@ def run(cfg: DictConfig) -> dict:
         for conv, key in zip(convs, keys, strict=True):
             row = cached[key]
             conv["messages"] = row["messages"]
-            counts["answers_truncated"] += int(row["truncated"])
+            # answers the target did not end (not the one cut at max_length, a conversation_cut_at_max_length)
+            counts["answers_truncated"] += sum(bool(m.get("truncated")) for m in row["messages"]) - ("capped" in row)
             counts["conversations_cut_at_max_length"] += int("cut_at_length" in row)
     else:
         for conv in convs:
@@ -261,16 +275,17 @@ def run(cfg: DictConfig) -> dict:
     rows = {s: [] for s in SPLITS}
     made = pool_map(_training_row, convs, worker_count(dcfg, len(convs)), "tokenize", tokenizer=tokenizer,
                     max_length=dcfg.max_length, overflow=dcfg.overflow)
-    for conv, (row, note) in zip(convs, made, strict=True):
-        if note and note.startswith("template: "):
-            if dcfg.on_error != "skip":
-                made.close()
-                raise DataError(f"conversation {conv['id']} ({conv['source']}): the chat template cannot render it: "
-                                f"{note.removeprefix('template: ')}. Fix the row or set data.on_error=skip to skip "
-                                "and count it.")
-            counts["dropped_template_error"] += 1
-        elif note:
-            counts[note] += 1
+    for conv, (row, notes) in zip(convs, made, strict=True):
+        for note in notes:
+            if note.startswith("template: "):
+                if dcfg.on_error != "skip":
+                    made.close()
+                    raise DataError(f"conversation {conv['id']} ({conv['source']}): the chat template cannot render "
+                                    f"it: {note.removeprefix('template: ')}. Fix the row or set data.on_error=skip to "
+                                    "skip and count it.")
+                counts["dropped_template_error"] += 1
+            else:
+                counts[note] += 1
         if row is not None:
             rows[conv["split"]].append(row)
     if not rows["train"]:
@@ -308,6 +323,7 @@ def run(cfg: DictConfig) -> dict:
         "dropped": {k: v for k, v in counts.items() if k.startswith("dropped") or k in ("bad_row", "malformed_json")},
         "modified": {k: v for k, v in counts.items() if k in (
             "truncated_to_max_length", "answers_truncated", "conversations_cut_at_max_length",
+            "conversations_cut_at_empty_answer",
             "conversations_cut_at_tool_turn", "empty_turns_dropped", "assistant_turns_out_of_order_dropped")},
         "tokens": {s: int(tally[s][1].sum()) for s in SPLITS},
         "masked_tokens": {s: int(tally[s][0].sum()) for s in SPLITS},

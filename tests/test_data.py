@@ -64,6 +64,28 @@ def test_masks_default_target_template(default_cfg):
     check_masks(load_tokenizer(default_cfg), "<|im_end|>")
 
 
+def test_a_conversation_is_cut_before_its_first_empty_answer_not_dropped():
+    """A regenerated answer the target ended at once (empty): the turns before it are kept and trained on, the rest
+    of the conversation is cut (it was dropped whole); an empty first answer drops the conversation."""
+    from data.formats import prompt_key
+    from data.stage import _training_row, pool_map
+
+    tok = _build_tiny_tokenizer("chatml")
+    empty_second = [*CONVERSATION, {"role": "user", "content": "And 4+4?"}, {"role": "assistant", "content": "Eight."}]
+    empty_second[4] = {"role": "assistant", "content": " \n"}
+    empty_first = [CONVERSATION[0], CONVERSATION[1], {"role": "assistant", "content": ""}, *CONVERSATION[3:]]
+    convs = [{"id": i, "source": "s", "category": "c", "messages": m}
+             for i, m in enumerate((CONVERSATION, empty_second, empty_first))]
+    (whole, notes), (cut, cut_notes), (dropped, why) = pool_map(
+        _training_row, convs, 1, "tokenize", tokenizer=tok, max_length=4096, overflow="truncate")
+    assert notes == [] and cut_notes == ["conversations_cut_at_empty_answer"]
+    assert (dropped, why) == (None, ["dropped_empty_answer"])
+    ids, mask = tokenize_conversation(tok, CONVERSATION[:3])
+    assert cut["input_ids"].tolist() == ids and cut["loss_mask"].tolist() == mask
+    assert masked_text(tok, cut["input_ids"], cut["loss_mask"]) == "It is 4.<|im_end|>"
+    assert cut["key"] == prompt_key(empty_second)  # the whole conversation's: its kept states may cover the cut row
+
+
 def test_system_prompt_replaces_system_turn():
     out = with_system(CONVERSATION, "Be formal.")
     assert out[0] == {"role": "system", "content": "Be formal."}

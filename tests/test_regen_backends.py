@@ -851,6 +851,22 @@ def test_a_rerun_on_another_rank_count_keeps_the_answers_of_the_interrupted_rank
     assert not list(path.parent.glob(f"{path.stem}.rank*"))
 
 
+def test_answers_truncated_counts_answers_not_conversations(tmp_path):
+    """Two-turn conversations whose answers the target never ends within data.regen.max_new_tokens (a random
+    target, 3 tokens): both answers of each are counted as truncated (one a conversation was counted before)."""
+    from train.stages import run_stages, stage_dir
+
+    path = tmp_path / "two_turns.jsonl"
+    path.write_text("".join(json.dumps({"turns": [f"Tell me about {t}.", "And why?"]}) + "\n"
+                            for t in ("cats", "dogs", "rain", "snow", "tea")))
+    cfg = make_cfg(RANKS[:3] + RANKS[4:] + [f"data.sources=[{{path:'{path}'}}]", "data.regen.max_new_tokens=3",
+                                             "data.validation_fraction=0", f"output_root={tmp_path}",
+                                             f"data.regen.dir={tmp_path / 'regen'}"])
+    run_stages(cfg)
+    stats = json.loads((stage_dir(cfg, "data") / "stats.json").read_text())
+    assert stats["rows_kept"]["train"] == 5 and stats["modified"]["answers_truncated"] == 10
+
+
 def test_a_rank_continues_the_conversations_a_crashed_run_answered_in_part(tmp_path):
     """Conversations whose first turns a crashed run answered (merged from its part files into the cache)
     continue from those turns on the rank whose share they are: only the missing turns are generated."""
