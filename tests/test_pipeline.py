@@ -72,6 +72,55 @@ def test_a_torn_shard_is_redone_and_force_redoes_them_all(prepared, tmp_path):
     assert all(f.stat().st_mtime_ns > before[f.name] for f in out.glob("*.safetensors")) and len(before) > 1
 
 
+def test_a_forcing_command_repeated_after_a_crash_keeps_what_its_force_redid(prepared, tmp_path, monkeypatch):
+    """force=[extract] redoes every shard once per command (hours at 8B): repeated after a crash inside extract,
+    the shards its first attempt wrote are kept; repeated after a crash in a later stage (train), extract is not run
+    again; once the command has ended, the same force redoes them all again."""
+    import train.extract
+    import train.loop
+    import train.stages
+
+    cfg = fresh_run(prepared, tmp_path)
+    out, record = stage_dir(cfg, "extract"), Path(cfg.run_dir) / train.stages.FORCE_RECORD
+    forced = make_cfg([*BASE, f"output_root={tmp_path}", "stages=[extract,train]", "force=[extract]"])
+
+    def mtimes() -> dict[str, int]:
+        return {f.name: f.stat().st_mtime_ns for f in out.glob("*.safetensors")}
+
+    write, written = train.extract._write_shard, []
+
+    def crash_after_one(path, *args):
+        if written:
+            raise OSError("the disk is gone")
+        written.append(path.name)
+        write(path, *args)
+
+    lines: list[str] = []
+    monkeypatch.setattr(train.stages, "log", lambda msg, *a: lines.append(msg))
+    before = mtimes()
+    monkeypatch.setattr(train.extract, "_write_shard", crash_after_one)
+    with pytest.raises(OSError, match="the disk is gone"):
+        run_stages(forced)
+    first = mtimes()
+    assert len(first) > 1 and [f for f in first if first[f] != before[f]] == written
+    monkeypatch.setattr(train.extract, "_write_shard", write)
+    finish = train.loop.Trainer.finish
+    monkeypatch.setattr(train.loop.Trainer, "finish", lambda self: (_ for _ in ()).throw(RuntimeError("crash")))
+    with pytest.raises(RuntimeError, match="crash"):
+        run_stages(forced)   # the repeat: the other shards redone, not the one the first attempt wrote
+    second = mtimes()
+    assert [f for f in second if second[f] == first[f]] == written and read_marker(cfg, "extract")
+    monkeypatch.setattr(train.loop.Trainer, "finish", finish)
+    run_stages(make_cfg([*BASE, f"output_root={tmp_path}", "stages=[data]"]))   # another command between
+    marker = read_marker(cfg, "extract")
+    run_stages(forced)   # extract was redone by this command: not again, training goes on
+    assert mtimes() == second and read_marker(cfg, "extract") == marker and read_marker(cfg, "train")
+    assert any(line.startswith("[extract] forced, and finished at") for line in lines), lines
+    assert not record.exists()
+    run_stages(forced)   # the command ended: its force redoes every shard
+    assert all(t != second[f] for f, t in mtimes().items())
+
+
 def test_extract_counts_the_room_of_a_killed_data_stage_part_as_free(prepared, tmp_path, monkeypatch):
     """A data stage killed while it wrote kept states leaves a `.part-*.tmp` (GBs per rank at 8B); the extract stage
     deletes it before its disk check, which counted it as used."""

@@ -23,7 +23,8 @@ Output ``<run_dir>/extract/``:
 
 Rows are sorted by length and cut into shards of about ``extract.shard_mb``; the shards still to write (each
 rank judges its turn's files, the verdicts gathered) are dealt to the ranks in turn; inside a shard, batches of at most
-``extract.batch_tokens`` padded tokens. ``force=[extract]`` writes every shard again.
+``extract.batch_tokens`` padded tokens. ``force=[extract]`` writes every shard again (once: the forcing command
+repeated after a crash keeps the shards its earlier attempt wrote, :func:`train.stages.forced`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from train import dist
 from train.errors import UserError
 from train.log import log, peak_rss_gib, progress
 from train.losses import full_argmax
-from train.stages import HOW, MARKER, digest, fingerprint, require, stage_dir
+from train.stages import HOW, MARKER, digest, fingerprint, force_record, require, stage_dir
 from train.target import (
     load_config,
     load_target,
@@ -162,14 +163,16 @@ def padded(rows: list, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _complete(path: Path, fps: set[str]) -> bool:
+def _complete(path: Path, fps: set[str], attempt: str | None = None) -> bool:
     """A shard from this very configuration, one of fingerprints ``fps`` (an older one, from other settings, is
-    redone; so is one a crash or power loss left torn or empty, which safetensors cannot open)."""
+    redone; so is one a crash or power loss left torn or empty, which safetensors cannot open), and written by the
+    forcing command's ``attempt`` when one is given."""
     if not path.exists():
         return False
     try:
         with safe_open(str(path), framework="pt") as f:
-            return (f.metadata() or {}).get("fingerprint") in fps
+            meta = f.metadata() or {}
+            return meta.get("fingerprint") in fps and attempt in (None, meta.get("attempt"))
     except Exception:  # safetensors' SafetensorError (header too small, file not fully covered), OSError
         return False
 
@@ -319,7 +322,9 @@ def run(cfg: DictConfig) -> dict:
             # set since they were kept: nothing reads them, and the disk check below counts their room as free
             log(f"[extract] deleting the hidden states kept while regenerating ({kept}): extract.source=pass")
             shutil.rmtree(kept, ignore_errors=True)
-    redo = "extract" in cfg.force  # force: every shard again, not only the missing ones
+    # force: every shard again, not only the missing ones; but those its own earlier attempt wrote (the forcing
+    # command repeated after a crash): they carry its nonce
+    attempt = dist.on_main(lambda: (force_record(cfg) or {}).get("attempt", "")) if "extract" in cfg.force else None
     fps = {fp, fingerprint(cfg, "extract", ignore=BEFORE_LOCATION),   # (shards made before 2026-12-07, late)
            fingerprint(cfg, "extract", ignore=BEFORE_LOCATION, legacy=True)}  # (shards made before 2026-12-06)
     # Which shards are left, each judged by one rank (~60k shards at 8B x 1B tokens: rank 0 reading every header
@@ -327,7 +332,7 @@ def run(cfg: DictConfig) -> dict:
     # (ranks reading the same files could disagree on a shared filesystem, and ZeRO-3's passes must match). What is
     # left is dealt anew, so a rerun after one rank's crash uses every rank.
     left = {s["file"]: (out / s["file"]).stat().st_size if (out / s["file"]).exists() else 0
-            for s in shards[rank::world] if redo or not _complete(out / s["file"], fps)}
+            for s in shards[rank::world] if not _complete(out / s["file"], fps, attempt)}
     left = {f: size for part in dist.all_gather_objects(left) for f, size in part.items()}
     todo = set(left)
     needed = sum(s["tokens"] for s in shards if s["file"] in todo) * (bytes_per_token + 4) - sum(left.values())
@@ -385,7 +390,8 @@ def run(cfg: DictConfig) -> dict:
             if written is not None:
                 written.result()
             written = writer.submit(_write_shard, out / shard["file"], pieces, shard["rows"], lengths[split],
-                                    {"layers": json.dumps(layers), "split": split, "fingerprint": fp})
+                                    {"layers": json.dumps(layers), "split": split, "fingerprint": fp,
+                                     **({"attempt": attempt} if attempt else {})})
         if written is not None:
             written.result()
         dummy = torch.full((1, 1), tokenizer.pad_token_id, dtype=torch.long, device=device)

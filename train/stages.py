@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext, suppress
 from functools import partial
@@ -102,6 +103,7 @@ FORMAT_VERSION = {"data": 2, "extract": 2, "export": 4}  # export 2: vLLM EAGLE-
 DISTRIBUTED = {"extract", "train"}
 MARKER = "_complete.json"
 FORCED = "forced.json"  # in train/checkpoints: the identity force=[train] started over with, until its command ends
+FORCE_RECORD = "_forced.json"  # in the run directory: a forcing command's attempt and the forced stages it finished
 FAILED = "_failed.json"  # written by rank 0 when a rank-0-only stage raises: the waiting ranks stop too
 ALIVE = "_alive"  # heartbeats (a counter rewritten every HEARTBEAT_S): rank 0 in a rank-0-only stage, `_alive.rank<r>`
 #                   rank r regenerating its share of the data stage
@@ -226,7 +228,7 @@ def orphaned_checkpoints(cfg: DictConfig) -> str | None:
         return None
     for name in upstream(cfg, "train"):
         marker = read_marker(cfg, name)
-        if name not in cfg.stages or name in cfg.force or not marker or marker["fingerprint"] == fingerprint(cfg, name):
+        if name not in cfg.stages or forced(cfg, name, marker) or not marker or marker["fingerprint"] == fingerprint(cfg, name):
             continue
         if changes := config_changes(cfg, name, marker, HOW.get(name, ())):
             return (f"the {name} stage would run again for {changes}, and the training checkpoints in {latest.parent} "
@@ -240,7 +242,7 @@ def orphaned_checkpoints(cfg: DictConfig) -> str | None:
     outputs = upstream_ids(cfg, "train")
     for name in upstream(cfg, "train"):   # up to the first this command reruns (it may bring the output back: train
         marker, key = read_marker(cfg, name), f"upstream {name} output"   # compares once it has)
-        if name in cfg.stages and (name in cfg.force or not marker or marker["fingerprint"] != fingerprint(cfg, name)):
+        if name in cfg.stages and (forced(cfg, name, marker) or not marker or marker["fingerprint"] != fingerprint(cfg, name)):
             break
         if marker and key in made and made[key] != outputs[name]:
             return (f"the {name} stage's output changed since the training checkpoints in {latest.parent} (latest "
@@ -333,6 +335,9 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
         raise ValueError(f"Unknown stage(s) {unknown}; valid stages, in order: {ORDER}")
     if dist.is_main():
         migrate_markers(cfg)
+        if cfg.force and force_record(cfg) is None:   # this command's first attempt
+            write_atomic(Path(cfg.run_dir) / FORCE_RECORD, json.dumps({"command": _command(cfg),
+                                                                       "attempt": uuid.uuid4().hex[:12], "done": {}}))
     if why := dist.on_main(lambda: orphaned_checkpoints(cfg)):
         raise UserError(why)
     results = {}
@@ -343,6 +348,12 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
         # Rank 0 decides for all: ranks that disagreed (a run directory on NFS with stale attributes) would pair
         # the barriers of different stages, or wait for a marker of another fingerprint.
         fp, marker = dist.on_main(partial(_up_to_date, cfg, name))
+        if marker and name in cfg.force:
+            log(f"[{name}] forced, and finished at {marker['finished_at']} by an earlier attempt of this very command "
+                f"(the same stages and force): skipped, not redone. It is forced again once this command has ended "
+                f"(or delete {Path(cfg.run_dir) / FORCE_RECORD})")
+            results[name] = marker
+            continue
         if marker:
             log(f"[{name}] up to date in {stage_dir(cfg, name)}; skipped")
             now = input_files(cfg) if name == "data" and dist.is_main() else None
@@ -379,19 +390,53 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
                 with heartbeat(stage_dir(cfg, name) / f"{ALIVE}.rank{dist.rank()}", HEARTBEAT_S):
                     importlib.import_module(ENTRY[name]).run(cfg)
             marker = wait_for_marker(cfg, name, fp)
+        if dist.is_main() and name in cfg.force and (record := force_record(cfg)) is not None:
+            record["done"][name] = _stamp(marker)   # a repeat of this command after a later crash does not redo it
+            write_atomic(Path(cfg.run_dir) / FORCE_RECORD, json.dumps(record))
         release_memory()
         dist.barrier()
         log(f"[{name}] done in {marker['wall_s']} s")
         results[name] = marker
     if dist.is_main() and "train" in cfg.stages:   # a command that trains has done all it was asked (the training
         (stage_dir(cfg, "train") / "checkpoints" / FORCED).unlink(missing_ok=True)   # finished): force starts over again
+    if dist.is_main() and force_record(cfg) is not None:   # this command has ended: its force applies anew
+        (Path(cfg.run_dir) / FORCE_RECORD).unlink(missing_ok=True)
     return results
 
 
 def _up_to_date(cfg: DictConfig, name: str) -> tuple[str, dict | None]:
     """(stage ``name``'s fingerprint now, its marker when that is current and the stage is not forced)."""
     fp, marker = fingerprint(cfg, name), read_marker(cfg, name)
-    return fp, marker if marker and marker.get("fingerprint") == fp and name not in cfg.force else None
+    return fp, marker if marker and marker.get("fingerprint") == fp and not forced(cfg, name, marker) else None
+
+
+def _command(cfg: DictConfig) -> dict:
+    return {"stages": list(cfg.stages), "force": sorted(cfg.force)}
+
+
+def _stamp(marker: dict) -> list:
+    return [marker.get("fingerprint"), marker.get("output_id"), marker.get("finished_at")]
+
+
+def force_record(cfg: DictConfig) -> dict | None:
+    """(Rank 0) The record (:data:`FORCE_RECORD`) of this command's force, made by its first attempt, deleted when
+    it ends: ``attempt`` (a nonce that tags the forced stages' partial work: extract's shards) and ``done`` (the
+    markers of the forced stages it finished). None for another command's record (other stages or force)."""
+    try:
+        record = json.loads((Path(cfg.run_dir) / FORCE_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("command") == _command(cfg) else None
+
+
+def forced(cfg: DictConfig, name: str, marker: dict | None) -> bool:
+    """Whether stage ``name`` runs again for ``force``: named there and not finished (its ``marker``) by an earlier
+    attempt of this command. The command a user repeats after a crash in a later stage (a 7-8B run's forced
+    extraction of hours, then training failed) does not redo what its force already redid."""
+    if name not in cfg.force:
+        return False
+    record = force_record(cfg)
+    return not (record and marker and record["done"].get(name) == _stamp(marker))
 
 
 def release_memory() -> None:
