@@ -161,9 +161,13 @@ def run_config(run_dir: Path) -> DictConfig:
 def find_exports(run_dir: Path, cfg: DictConfig, k: int) -> list[Export]:
     """The vLLM-loadable export folders of a run whose export stage finished."""
     from train.export import vllm_method_word
-    from train.stages import require, stage_dir
+    from train.stages import config_changes, current_marker, require, stage_dir
 
-    require(cfg, "export")
+    marker = require(cfg, "export")
+    if current_marker(cfg, "export") is None:   # its folders hold an earlier head (or other settings): the report
+        why = config_changes(cfg, "export", marker) or "the head trained since"     # would credit the head of now
+        raise SystemExit(f"{run_dir}: the export folders are not of this run as it is now ({why}): export it again "
+                         "first (train/run.py stages=[export] with the run's overrides), then check")
     exports = []
     for fmt in METHODS:
         folder = (stage_dir(cfg, "export") / fmt).resolve()
@@ -401,6 +405,7 @@ def check(args) -> int:
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from data.formats import write_atomic
+    from train.export import export_settings
     from train.stages import upstream_ids
     from train.target import target_path
 
@@ -417,7 +422,8 @@ def check(args) -> int:
         all_reports.update(reports(check_target(target_dir, members, args), args))
     configs = {run_dir: cfg for members in groups.values() for run_dir, cfg in members}
     for run_dir, report in all_reports.items():
-        report["train_output"] = upstream_ids(configs[run_dir], "export")["train"]  # the head checked (export cards)
+        report["train_output"] = upstream_ids(configs[run_dir], "export")["train"]  # the head checked, and its files'
+        report["export"] = export_settings(configs[run_dir])                       # settings (export cards)
         write_atomic(run_dir / "export" / "vllm_check.json", json.dumps(report, indent=2))   # read by export, publish
     print(table(all_reports))
     print(f"tau: {DEFINITIONS['tau']}.\nStop: {DEFINITIONS['stop']}. n-gram: {DEFINITIONS['ngram_tau']}.\n"

@@ -18,6 +18,17 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("SPECHEADS_CACHE", str(ROOT / ".cache" / "specheads"))
 
 
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module   # (its dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return module
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """The environment for a subprocess of the pipeline: this one, offline, without the launcher variables
     that in-process runs set here (train.dist.init makes a one-process group)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,7 @@ from transformers import AutoConfig
 
 from heads import MedusaConfig, MedusaHead, save_head
 from heads.eagle3 import KVCache
+from tests.conftest import load_script
 from tests.test_heads import HEAD_CFG, tiny_eagle3
 from train.export import (
     NORM_FLAGS,
@@ -22,6 +24,7 @@ from train.export import (
     card_results,
     check_tensors,
     expected_tensors,
+    export_settings,
     full_vocab_rows,
     import_export,
     serve_commands,
@@ -373,7 +376,8 @@ def export_with_report(cfg_factory, *overrides, vllm_check: dict | None = None):
     (ev / MARKER).write_text(json.dumps({"stage": "eval", "fingerprint": fingerprint(cfg, "eval")}))  # of this head
     if vllm_check is not None:
         stage_dir(cfg, "export").mkdir(parents=True, exist_ok=True)
-        (stage_dir(cfg, "export") / "vllm_check.json").write_text(json.dumps({"train_output": "test", **vllm_check}))
+        (stage_dir(cfg, "export") / "vllm_check.json").write_text(json.dumps({"train_output": "test",
+                                                                              "export": export_settings(cfg), **vllm_check}))
     run_stages(cfg)
     return cfg
 
@@ -386,13 +390,45 @@ def test_cards_leave_out_measurements_of_an_earlier_head(cfg_factory):
     cfg = export_with_report(cfg_factory, vllm_check=check)
     card = (stage_dir(cfg, "export") / "vllm" / "README.md").read_text()
     assert "eagle3-tree" in card and "2.32 tokens with this head" in card and "This export ran in vLLM" in card
+    run_stages(OmegaConf.merge(cfg, {"force": ["export"]}))   # the same files again: the check stays theirs
+    assert "2.32 tokens with this head" in (stage_dir(cfg, "export") / "vllm" / "README.md").read_text()
+    exported_again = OmegaConf.merge(cfg, {"export": {"dtype": "float32"}})   # other files than vLLM ran
+    run_stages(exported_again)
+    assert "tau in vllm" not in (stage_dir(cfg, "export") / "vllm" / "README.md").read_text()
+    vllm_check = load_script("vllm_check")   # a check now would credit this export's head: it runs on current ones
+    with pytest.raises(SystemExit, match=r"not of this run as it is now \(export.dtype='float32' \(this command: "
+                                         r"'bfloat16'\)\): export it again"):
+        vllm_check.find_exports(Path(cfg.run_dir), cfg, 3)
+    assert [e.fmt for e in vllm_check.find_exports(Path(cfg.run_dir), exported_again, 3)] == ["vllm", "speculators"]
+    run_stages(cfg)
     (stage_dir(cfg, "train") / MARKER).write_text(json.dumps({"stage": "train", "fingerprint": fingerprint(cfg, "train"),
                                                               "output_id": "retrained"}))
+    with pytest.raises(SystemExit, match=r"not of this run as it is now \(the head trained since\)"):
+        vllm_check.find_exports(Path(cfg.run_dir), cfg, 3)
     run_stages(cfg)  # the train output changed: export reruns
     card = (stage_dir(cfg, "export") / "vllm" / "README.md").read_text()
-    assert "No evaluation report was found" in card and "eagle3-tree" not in card
+    assert "No evaluation report of this head was found" in card and "eagle3-tree" not in card
     assert "2.32 tokens with this head" not in card and "tau in vllm" not in card
     assert "This export ran in vLLM" not in card and "This export itself has not been run in an engine" in card
+
+
+def test_an_eval_report_made_with_other_eval_keys_is_named_and_publish_refuses_to_leave_it_out(cfg_factory, caplog):
+    """An export or publish command without the eval overrides the report was made with: export names the keys
+    (it said "an earlier head", and the stages=[eval,export] it advised overwrote the user's report), publish
+    refuses (the published card would leave the report out); with the overrides repeated the card carries it."""
+    cfg = export_with_report(cfg_factory)
+    made = OmegaConf.merge(cfg, {"eval": {"limit": 7}})
+    (stage_dir(cfg, "eval") / MARKER).write_text(json.dumps({"stage": "eval", "fingerprint": fingerprint(made, "eval"),
+                                                             "config": flat_config(made, "eval")}))
+    with caplog.at_level("INFO", logger="specheads"):
+        run_stages(OmegaConf.merge(cfg, {"force": ["export"]}))
+    assert any("report.json was made with eval.limit=7 (this command: 8): left out" in r.message
+               for r in caplog.records)
+    publish = {"stages": ["publish"], "publish": {"repo_id": "someone/tiny-eagle3", "dry_run": True}}
+    with pytest.raises(PublishError, match=r"eval report in .* was made with eval.limit=7 \(this command: 8\), and "
+                                           r"the published card would leave it out: repeat those overrides"):
+        run_stages(OmegaConf.merge(cfg, publish))
+    assert "eagle3-tree" in run_stages(OmegaConf.merge(made, publish))["publish"]["outputs"]["card"]
 
 
 @pytest.mark.parametrize("thinking,flag", [(None, None), (False, "false"), (True, "true")])
@@ -554,8 +590,8 @@ def test_publish_fills_the_placeholder_repo_in_the_uploaded_card(cfg_factory):
     folder = stage_dir(cfg, "export") / "vllm"
     assert "<your-hf-user>/tiny-llama-eagle3-vllm" in (folder / "README.md").read_text()
     assert "tau in vllm" not in (folder / "README.md").read_text()
-    check = {"train_output": "test", "engine": "vllm 0.32.0", "dtype": "float32", "ok": True,
-             "ngram": {"tau": 2.49, "tokens_per_pass": 1.26},
+    check = {"train_output": "test", "export": export_settings(cfg), "engine": "vllm 0.32.0", "dtype": "float32",
+             "ok": True, "ngram": {"tau": 2.49, "tokens_per_pass": 1.26},
              "exports": {"vllm": {"folder": "/x/export/vllm", "k": 3, "vllm": {"tau": 2.31, "tokens_per_pass": 2.32}}}}
     (stage_dir(cfg, "export") / "vllm_check.json").write_text(json.dumps(check))   # scripts/vllm_check.py, later
     cfg = OmegaConf.merge(cfg, {"stages": ["publish"], "publish": {"repo_id": "someone/tiny-eagle3", "dry_run": True}})

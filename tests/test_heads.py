@@ -3,15 +3,13 @@ save/load, and learning on a tiny overfit set."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from heads import Eagle3Config, Eagle3Head, MedusaConfig, MedusaHead, load_head, save_head
 from heads.eagle3 import KVCache, TTTCache
+from tests.conftest import load_script
 from train.extract import capture
 from train.losses import (
     TargetView,
@@ -107,11 +105,7 @@ def test_ttt_attention_equals_step_by_step_decoding(tiny_llama_cfg):
 
 def reference_ttt_cache() -> type:
     """The O(T^2) TTT attention kept as reference in scripts/bench_ttt_attention.py."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_ttt_attention.py"
-    spec = importlib.util.spec_from_file_location("bench_ttt_attention", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.ReferenceTTTCache
+    return load_script("bench_ttt_attention").ReferenceTTTCache
 
 
 @pytest.mark.parametrize("chunk_rows", [4, None])

@@ -31,6 +31,7 @@ from heads.frozen import TargetWeights
 from train.errors import UserError
 from train.log import log
 from train.stages import (
+    FORMAT_VERSION,
     config_changes,
     current_marker,
     fingerprint,
@@ -111,10 +112,11 @@ def expected_tensors(fmt: str, head) -> dict[str, tuple[tuple[int, ...], torch.d
     return out
 
 
-def check_card_config(cfg: DictConfig, error: type[UserError]) -> None:
+def check_card_config(cfg: DictConfig, error: type[UserError], published: bool = False) -> None:
     """A model card describes the data and training of this command's config (sources, training settings, the
     chat template's kwargs): refuse when the run directory's data or train stage was made with other settings
-    (an export or publish command without the overrides the head was trained with)."""
+    (an export or publish command without the overrides the head was trained with). A ``published`` card also
+    carries the eval report: refused when it was made with other eval keys (it would be left out of the card)."""
     for stage in ("data", "train"):
         marker = read_marker(cfg, stage)
         if marker is None or marker.get("fingerprint") == fingerprint(cfg, stage):
@@ -123,6 +125,18 @@ def check_card_config(cfg: DictConfig, error: type[UserError]) -> None:
         what = changes or ("other settings" if changes is None else "the same keys over other upstream outputs (rerun them)")
         raise error(f"the {stage} stage in {cfg.run_dir} was made with {what}, and the model card would describe "
                     f"this command's: repeat the overrides the head was trained with")
+    if published and (changes := eval_changes(cfg)):
+        raise error(f"the eval report in {stage_dir(cfg, 'eval')} was made with {changes}, and the published card "
+                    "would leave it out: repeat those overrides, or measure with this command's settings first "
+                    "(add eval and export to stages)")
+
+
+def eval_changes(cfg: DictConfig) -> str:
+    """The eval keys this command sets otherwise than the eval report was made with ("" when none, or no report)."""
+    marker = read_marker(cfg, "eval")
+    if marker is None or marker.get("fingerprint") == fingerprint(cfg, "eval"):
+        return ""
+    return config_changes(cfg, "eval", marker) or ""
 
 
 def maps_vocab(fmt: str, c) -> bool:
@@ -485,7 +499,7 @@ def model_card(fmt: str, cfg: DictConfig, c: Eagle3Config | MedusaConfig, report
                              f"{r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
         lines.append(f"\nMeasured on {report.get('device')} ({report.get('dtype')}).")
     else:
-        lines.append("No evaluation report was found when this export was written.")
+        lines.append("No evaluation report of this head was found when this export was written.")
     if any(r["name"].startswith("tau in ") for r in results):
         lines.append("The model-index also holds vLLM's own acceptance length for this export (scripts/vllm_check.py).")
     if comparison := vs_ngram(fmt, vllm_check):
@@ -550,9 +564,13 @@ def measurements(cfg: DictConfig) -> tuple[dict | None, dict | None]:
     if report_path.exists() and read_marker(cfg, "eval"):
         if current_marker(cfg, "eval"):
             report = json.loads(report_path.read_text())
+        elif changes := eval_changes(cfg):
+            log(f"[export] {report_path} was made with {changes}: left out of the model cards; repeat those "
+                "overrides to keep it in them (stages=[eval,export] would measure again with this command's, "
+                "replacing it)")
         else:
-            log(f"[export] {report_path} is out of date (an earlier head or eval config): left out of the model "
-                "cards; run stages=[eval,export] to measure this head")
+            log(f"[export] {report_path} measured an earlier head: left out of the model cards; run "
+                "stages=[eval,export] to measure this head")
     check_path = stage_dir(cfg, "export") / "vllm_check.json"   # written by scripts/vllm_check.py
     check = None
     if check_path.exists():
@@ -561,11 +579,19 @@ def measurements(cfg: DictConfig) -> tuple[dict | None, dict | None]:
         except json.JSONDecodeError:
             log(f"[export] {check_path} does not parse (an interrupted check?): left out of the model cards; rerun "
                 "scripts/vllm_check.py")
-    if check and check.get("train_output") != upstream_ids(cfg, "export")["train"]:
-        log(f"[export] {check_path} checked an earlier head: left out of the model cards; rerun "
-            "scripts/vllm_check.py, then force=[export]")
+    if check and (check.get("train_output"), check.get("export")) != (upstream_ids(cfg, "export")["train"],
+                                                                       export_settings(cfg)):
+        log(f"[export] {check_path} checked files of an earlier head or other export settings: left out of the "
+            "model cards; rerun scripts/vllm_check.py, then force=[export]")
         check = None
     return report, check
+
+
+def export_settings(cfg: DictConfig) -> dict:
+    """What of the export config the exported files depend on, beside the head (scripts/vllm_check.py records it
+    with the head it checked: a re-export in another dtype, k or format is not the files vLLM ran)."""
+    return {"dtype": str(cfg.export.dtype), "num_speculative_tokens": int(cfg.export.num_speculative_tokens),
+            "format_version": FORMAT_VERSION["export"], "target": target_name(cfg)}
 
 
 def train_summary(cfg: DictConfig) -> dict | None:

@@ -106,7 +106,7 @@ def run(cfg: DictConfig) -> dict:
         raise PublishError(f"the export in {stage_dir(cfg, 'export')} was made from another head or config than this "
                            "command's (a retraining since, other overrides): export again with this command's "
                            "overrides, e.g. add stages=[export,publish] force=[export]")
-    check_card_config(cfg, PublishError)
+    check_card_config(cfg, PublishError, published=True)
     folder = stage_dir(cfg, "export") / fmt
     if not folder.is_dir():
         raise PublishError(f"no export folder {folder}; run the export stage with this format first")
