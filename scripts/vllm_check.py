@@ -86,8 +86,8 @@ def engine_run(spec: dict, speculative_config: dict | None) -> dict:
     llm = None
     try:
         start = time.perf_counter()
-        llm = LLM(model=spec["target"], dtype=spec["dtype"], enforce_eager=True, max_model_len=spec["max_model_len"],
-                  seed=0, disable_log_stats=False, speculative_config=speculative_config)
+        llm = LLM(model=spec["target"], revision=spec.get("revision"), dtype=spec["dtype"], enforce_eager=True,
+                  max_model_len=spec["max_model_len"], seed=0, disable_log_stats=False, speculative_config=speculative_config)
         startup_s = time.perf_counter() - start
         taps = llm.apply_model(aux_layers)[0] if speculative_config and speculative_config["method"] == "eagle3" else None
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
@@ -267,7 +267,8 @@ def vllm_figures(run: dict, no_spec: list[list[int]]) -> dict:
             "tokens_per_s": run["tokens_per_s"], "startup_s": run["startup_s"]}
 
 
-def engine_spec(target_dir: str, prompts: list[list[int]], exports: list[Export], args, out: Path) -> dict:
+def engine_spec(target_dir: str, revision: str | None, prompts: list[list[int]], exports: list[Export], args,
+                out: Path) -> dict:
     """What the engine process runs. The n-gram run comes last: in vLLM 0.32 any LLM created in the same
     process after an n-gram one fails (its kernel-override scan trips over llvmlite objects numba loaded)."""
     runs = {NO_SPEC: None}
@@ -275,7 +276,7 @@ def engine_spec(target_dir: str, prompts: list[list[int]], exports: list[Export]
         runs[str(e.folder)] = {"method": METHODS[e.fmt], "model": str(e.folder), "num_speculative_tokens": e.k}
     runs[NGRAM] = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     needed = max(map(len, prompts)) + args.max_tokens + max(e.k for e in exports) + 1
-    return {"target": target_dir, "dtype": args.dtype, "max_tokens": args.max_tokens,
+    return {"target": target_dir, "revision": revision, "dtype": args.dtype, "max_tokens": args.max_tokens,
             "max_model_len": max(2048, needed), "prompts": prompts, "runs": runs, "out": str(out)}
 
 
@@ -324,7 +325,7 @@ def check_target(target_dir: str, members: list[tuple[Path, DictConfig]], args) 
           f"x {args.max_tokens} tokens (log: {log})", flush=True)
     with tempfile.TemporaryDirectory(prefix="vllm_check-") as work, open(log, "w") as log_file:
         spec_file, results = Path(work) / "spec.json", Path(work) / "results.json"
-        spec_file.write_text(json.dumps(engine_spec(target_dir, prompts, exports, args, results)))
+        spec_file.write_text(json.dumps(engine_spec(target_dir, cfg.model.get("revision"), prompts, exports, args, results)))
         proc = subprocess.Popen([str(args.vllm_python), str(Path(__file__).resolve()), "--engine", str(spec_file)],
                                 env={**os.environ, **ENGINE_ENV}, stdout=log_file, stderr=subprocess.STDOUT)
         ours: list[dict] = []
@@ -411,14 +412,16 @@ def check(args) -> int:
 
     if not args.vllm_python.exists():
         raise SystemExit(f"{args.vllm_python} not found: create the vLLM environment with `make vllm-env`")
-    groups: dict[str, list[tuple[Path, DictConfig]]] = {}
+    groups: dict[tuple, list[tuple[Path, DictConfig]]] = {}
     for run_dir in args.run_dirs:
         if not run_dir.is_dir():
             raise SystemExit(f"{run_dir}: no such run directory")
         cfg = run_config(run_dir.resolve())
-        groups.setdefault(target_path(cfg), []).append((run_dir.resolve(), cfg))
+        # one engine process per target as its runs load it (a pinned commit) and render their prompts
+        key = (target_path(cfg), cfg.model.get("revision"), cfg.data.get("system_prompt"), cfg.data.get("thinking"))
+        groups.setdefault(key, []).append((run_dir.resolve(), cfg))
     all_reports: dict[Path, dict] = {}
-    for target_dir, members in groups.items():
+    for (target_dir, *_), members in groups.items():
         all_reports.update(reports(check_target(target_dir, members, args), args))
     configs = {run_dir: cfg for members in groups.values() for run_dir, cfg in members}
     for run_dir, report in all_reports.items():

@@ -448,6 +448,17 @@ def test_serve_commands_render_the_template_as_trained(cfg_factory, thinking, fl
     assert flag is None or f'"chat_template_kwargs": {{"enable_thinking": {flag}}}' in sglang
 
 
+def test_serve_commands_pin_the_targets_commit_the_head_was_trained_on(cfg_factory):
+    """model.revision (the commit a moved-on Hub repo is pinned to, as extract asks): the serve commands load that
+    commit, not the repo's latest; the speculators folder, whose config names the repo only, is served the long way."""
+    cfg = cfg_factory("model=qwen2.5-7b", "model.revision=0123abc")
+    for fmt in ("vllm", "speculators", "sglang"):
+        command = serve_commands(fmt, "someone/x", cfg)
+        assert "Qwen/Qwen2.5-7B-Instruct --revision 0123abc " in command, command
+        assert "vllm serve someone/x" not in command.replace("(not `vllm serve someone/x`", "")
+    assert "--revision" not in serve_commands("vllm", "someone/x", cfg_factory("model=qwen2.5-7b"))
+
+
 def test_card_headline_is_this_heads_own_lossless_method():
     """The model-index's headline figures came from the recommended method whatever it was (n-gram, when it won) or,
     without one, from the fastest of every method (one with real mismatches too, or a head + n-gram hybrid): they are
@@ -461,10 +472,26 @@ def test_card_headline_is_this_heads_own_lossless_method():
     # Nor a hybrid's (head + n-gram drafts, recommended or fastest): the headline is the head alone, here its chain.
     for recommended in ("ngram", None, "eagle3+ngram-tree"):
         recs = [{"dataset": "builtin", "temperature": 0.0, "category": "all", "method": recommended}] if recommended else []
-        out = card_results("vllm", {"results": results, "recommendations": recs}, None, "eagle3-chain")
+        out = card_results("vllm", {"results": results, "recommendations": recs}, None, "eagle3-chain", 3)
         assert {(m["metric"], m["value"]) for m in out} == {("acceptance_length", 1.7), ("speedup", 1.2)}
         speedup = next(m["name"] for m in out if m["metric"] == "speedup")
         assert "eagle3-chain" in speedup and "specheads decoder" in speedup   # our decoder's figure, not vLLM's
+
+
+@pytest.mark.parametrize("head, chain_k, served, label", [
+    ("eagle3", 3, 3, "k=3: what the engines run"),
+    ("eagle3", 3, 5, "k=3; the serve commands run k=5"),   # eval.chain_k set apart from export.num_speculative_tokens
+    ("medusa", 3, 5, "k=3; the serve commands run k=5"),   # head.num_heads=5: vLLM builds (and runs) 5 heads
+    ("medusa", 3, 2, "k=2: what the engines run"),         # 2 heads: the eval chain drafted 2, as vLLM does
+])
+def test_the_chain_is_labelled_what_the_engines_run_only_at_their_k(head, chain_k, served, label):
+    """A card called the eval chain of eval.chain_k tokens "what the engines run" while its serve command ran
+    another k (a Medusa head of 5 heads: vLLM runs 5; of 2: the chain drafted 2, the label said 3)."""
+    results = [{"dataset": "builtin", "temperature": 0.0, "category": "all", "method": method, "tau": tau,
+                "speedup": speedup} for method, tau, speedup in ((f"{head}-tree", 2.0, 1.5), (f"{head}-chain", 1.7, 1.2))]
+    report = {"results": results, "recommendations": [], "tree": {"chain_k": chain_k}}
+    names = [m["name"] for m in card_results("vllm", report, None, f"{head}-chain", served) if "chain" in m["metric"]]
+    assert names and all(f"{head}-chain {label}, T=0.0" in name for name in names), names
 
 
 def test_a_re_export_keeps_the_users_generation_config_and_names_what_it_removes(eagle_export, caplog):

@@ -314,22 +314,33 @@ def serve_commands(fmt: str, path: str, cfg: DictConfig) -> str:
     the chat template as training did when ``data.thinking`` was set (a Qwen3 head trained without thinking,
     served with the template's default, drafts for answers it never saw); SGLang's, whose server takes no such
     default, name the field each request carries."""
-    target = target_name(cfg)
-    k = cfg.head.num_heads if fmt == "medusa" else cfg.export.num_speculative_tokens
+    target, k = target_name(cfg), served_k(fmt, cfg)
     thinking = cfg.data.get("thinking")
+    # the commit the head was trained on (model.revision): the repo's main may have moved on
+    pinned = f" --revision {cfg.model.revision}" if cfg.model.source == "hf" and cfg.model.get("revision") else ""
     if fmt == "sglang":
         request = ("" if thinking is None else
                    f"\n# each chat request: \"chat_template_kwargs\": {json.dumps({'enable_thinking': bool(thinking)})} "
                    f"(trained with data.thinking={str(bool(thinking)).lower()})")
-        return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
+        return (f"python -m sglang.launch_server --model-path {target}{pinned} --speculative-algorithm EAGLE3 "
                 f"--speculative-draft-model-path {path} --speculative-num-steps {k} --speculative-eagle-topk 1 "
                 f"--speculative-num-draft-tokens {k + 1}{request}")
     template = ("" if thinking is None else
                 f" --default-chat-template-kwargs '{json.dumps({'enable_thinking': bool(thinking)})}'")
     method = "medusa" if fmt == "medusa" else "eagle3"  # medusa: vLLM builds num_speculative_tokens heads
-    command = (f"vllm serve {target} --speculative-config "
+    command = (f"vllm serve {target}{pinned} --speculative-config "
                f"'{{\"method\": \"{method}\", \"model\": \"{path}\", \"num_speculative_tokens\": {k}}}'{template}")
-    return f"vllm serve {path}{template}\n# or: {command}" if fmt == "speculators" else command
+    if fmt != "speculators":
+        return command
+    if pinned:   # its config names the target's repo, not the commit
+        return f"{command}\n# (not `vllm serve {path}`: it would load the target's latest commit)"
+    return f"vllm serve {path}{template}\n# or: {command}"
+
+
+def served_k(fmt: str, cfg: DictConfig) -> int:
+    """The draft tokens per pass the serve commands give export ``fmt``: a Medusa head's number of heads (vLLM
+    builds that many), else ``export.num_speculative_tokens``."""
+    return int(cfg.head.num_heads if fmt == "medusa" else cfg.export.num_speculative_tokens)
 
 
 def hybrid(method: str) -> bool:
@@ -337,12 +348,13 @@ def hybrid(method: str) -> bool:
     return "+ngram" in method
 
 
-def card_results(fmt: str, report: dict | None, vllm_check: dict | None, chain: str) -> list[dict]:
+def card_results(fmt: str, report: dict | None, vllm_check: dict | None, chain: str, served: int) -> list[dict]:
     """Measured figures for the card's model-index: per dataset and temperature (all categories), tau and
     speedup of the recommended method when it drafts with this head alone (else this head's fastest lossless
     method: never n-gram's figures nor a hybrid's, nor a method that did not reproduce plain decoding) and of the
-    ``chain`` method (what the engines run: one drafted path of eval.chain_k tokens, e.g. ``eagle3-chain``) when it
-    is another, and vLLM's own tau for this export when scripts/vllm_check.py passed it."""
+    ``chain`` method (one drafted path of eval.chain_k tokens, e.g. ``eagle3-chain``; what the engines run when
+    that is the ``served`` k of the card's serve commands) when it is another, and vLLM's own tau for this export
+    when scripts/vllm_check.py passed it."""
     out = []
     if report:
         recs = {(r["dataset"], r["temperature"]): r.get("method") for r in report.get("recommendations", [])
@@ -355,7 +367,10 @@ def card_results(fmt: str, report: dict | None, vllm_check: dict | None, chain: 
             best = next((r for r in mine if r["method"] == recs.get(key)), None) or max(mine, key=lambda r: r["speedup"])
             where = f"{report.get('device')}, {report.get('dtype')}"
             k = (report.get("tree") or {}).get("chain_k")
-            engines = f"{f' k={k}' if k else ''}: what the engines run"
+            if k and chain == "medusa-chain":   # a Medusa chain drafts one token per head at most
+                k = min(k, served)
+            engines = (": what the engines run" if not k else f" k={k}: what the engines run" if k == served else
+                       f" k={k}; the serve commands run k={served}")   # (not k: a report before chain_k was kept)
             for r in [best, *(r for r in mine if r["method"] == chain != best["method"])]:
                 what = f"{r['method']}{engines if r['method'] == chain else ''}, T={key[1]}"
                 kind = "chain_" if r is not best else ""   # one value per (dataset, metric type) on the Hub
@@ -443,7 +458,7 @@ def model_card(fmt: str, cfg: DictConfig, c: Eagle3Config | MedusaConfig, report
         tags.append("speculators")
     if fmt == "sglang":
         tags.append("sglang")
-    results = card_results(fmt, report, vllm_check, f"{head_tag}-chain")
+    results = card_results(fmt, report, vllm_check, f"{head_tag}-chain", served_k(fmt, cfg))
     license_key = card_license(cfg)
     llama = license_key == "llama3.1"  # its license: "Llama" first in the name of a model its outputs trained
     model_name = f"{cfg.model.name}-{head_tag}-{fmt}"
