@@ -158,6 +158,7 @@ def test_every_sized_key_rejects_a_non_number(key):
     ("head.dropout=1.0", "head.dropout=1.0 must be a number in [0, 1)"),
     ("data.train_rows=-5", "data.train_rows=-5 must be an integer >= 1 or null"),
     ("train.lr=0", "train.lr=0 must be a number > 0"),
+    ("train.patience=0", "train.patience=0 must be an integer >= 1 or null"),   # (stopped after one step)
     ("eval.tree.total_tokens=0", "eval.tree.total_tokens=0 must be an integer >= 1 or auto"),
     ("device=cuda:x", "device='cuda:x' is not valid"),
     ("eval.dtype=bf16", "eval.dtype='bf16' is not valid (did you mean bfloat16?)"),   # (failed after training)

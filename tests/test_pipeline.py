@@ -121,6 +121,53 @@ def test_a_forcing_command_repeated_after_a_crash_keeps_what_its_force_redid(pre
     assert all(t != second[f] for f, t in mtimes().items())
 
 
+def test_without_validation_rows_the_last_head_is_kept_and_training_runs_its_course(tmp_path):
+    """data.validation_fraction=0 (the README's way to hold out none): every validation scored 1.0, so the first
+    head stayed "best" for good and early stopping ended the run after train.patience validations; now the last head
+    is kept, the run trains its planned steps, and the card says so instead of a validation score."""
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {w} twice."},
+                                                     {"role": "assistant", "content": f"{w} {w}."}]}) + "\n"
+                            for w in "cat dog owl fig tea sun sky sea elm oak ivy fox".split()))
+    cfg = make_cfg([*BASE, f"output_root={tmp_path}", f"data.sources=[{{path:'{path}'}}]", "data.regenerate=false",
+                    "data.validation_fraction=0", "train.micro_batch_tokens=64", "train.eval_every=1",
+                    "train.patience=1", "stages=[data,extract,train,export]"])
+    run_stages(cfg)
+    summary = json.loads((stage_dir(cfg, "train") / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["best"]["step"] == 6 and "sim_tau" not in summary["best"]
+    assert [h["rows"] for h in summary["history"]] == [0] * 6
+    card = (stage_dir(cfg, "export") / "vllm" / "README.md").read_text()
+    assert "No validation rows were held out: this is the last head trained (step 6)." in card
+
+
+def test_patience_null_turns_early_stopping_off():
+    """train.patience=null (the common way to say "no early stopping") raised a TypeError after the first step."""
+    from types import SimpleNamespace
+
+    from train.loop import Trainer
+
+    trainer = SimpleNamespace(state={"bad_evals": 9}, tcfg=SimpleNamespace(patience=None, max_minutes=None))
+    assert Trainer.should_stop(trainer, timed_out=False) is False
+    trainer.tcfg.patience = 9
+    assert Trainer.should_stop(trainer, timed_out=False) is True
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.micro_batch_tokens=100000", r"20 training rows \(\d+ tokens\) make 1 micro-batches of "
+                                        r"train.micro_batch_tokens=100000, fewer than one optimizer step takes \(2: 1 "
+                                        r"rank\(s\) x train.grad_accum=2\): lower train.micro_batch_tokens"),
+    ("dtype=bfloat16", r"train.autocast=float16 with weights in torch.bfloat16 .*: the head's gradients would underflow"),
+])
+def test_training_that_cannot_work_is_refused_naming_the_fix(prepared, tmp_path, override, message):
+    """Fewer micro-batches than one step takes (a small dataset on 8 ranks, grad_accum 4: a bare ValueError after
+    the weights were built); float16 autocast over bf16 weights, which DeepSpeed's bf16 path trains unscaled."""
+    from train.errors import UserError
+
+    cfg = fresh_run(prepared, tmp_path, "stages=[train]", "train.grad_accum=2", "train.autocast=float16", override)
+    with pytest.raises(UserError, match=message):
+        run_stages(cfg)
+
+
 def test_extract_counts_the_room_of_a_killed_data_stage_part_as_free(prepared, tmp_path, monkeypatch):
     """A data stage killed while it wrote kept states leaves a `.part-*.tmp` (GBs per rank at 8B); the extract stage
     deletes it before its disk check, which counted it as used."""

@@ -94,7 +94,7 @@ NUMBERS = {
                      "eval.max_new_tokens", "eval.chain_k", "eval.tree.top_k", "eval.tree.depth",
                      "eval.tree.calibration_prompts", "eval.tree.sizes", "export.num_speculative_tokens"], POS_INT),
     **dict.fromkeys(["train.max_steps", "train.val_tokens", "train.data_tokens", "train.num_threads", "eval.num_threads",
-                     "eval.limit", "planner.world_size", "data.sources[].limit", "data.train_rows",
+                     "eval.limit", "planner.world_size", "train.patience", "data.sources[].limit", "data.train_rows",
                      "data.validation_max_rows"], OPT_POS_INT),
     "eval.tree.total_tokens": ("int", lambda v: v >= 1, ">= 1", ("auto",)),
     **dict.fromkeys(["train.warmup_steps", "train.prefetch", "eval.warmup", "data.regen.seed", "seed",

@@ -497,8 +497,10 @@ def model_card(fmt: str, cfg: DictConfig, c: Eagle3Config | MedusaConfig, report
                   "starting with \"Llama\"."]
     lines += ["", "## Training", "", "```yaml", OmegaConf.to_yaml(cfg.head).strip(), OmegaConf.to_yaml(cfg.train).strip(),
               "```"]
-    if train_summary:
-        best = train_summary.get("best", {})
+    best = (train_summary or {}).get("best", {})
+    if train_summary and "sim_tau" not in best:
+        lines += ["", f"No validation rows were held out: this is the last head trained (step {best.get('step')})."]
+    elif train_summary:
         lines += ["", f"Best validation (step {best.get('step')}): simulated tau {best.get('sim_tau', 0):.3f}, "
                   f"chain tau {best.get('chain_tau', 0):.3f}, step-0 accuracy {best.get('acc_0', 0):.3f}"
                   + (f"; acceptance length of a chain decoder drafting {best['decode_k']} tokens per pass on the held-out answers "

@@ -430,6 +430,10 @@ def setup_process(cfg: DictConfig) -> tuple[torch.device, torch.dtype]:
     dist.on_main(lambda: check_data(cfg, load_tokenizer(cfg)))
     device = dist.bind_device(resolve_device(cfg.device))
     dtype = resolve_dtype(cfg.dtype, device)
+    if tcfg.autocast == "float16" and dtype != torch.float32:
+        raise UserError(f"train.autocast=float16 with weights in {dtype} (DeepSpeed's {dtype} path, no loss "
+                        "scaling): the head's gradients would underflow in float16 and it would train worse without a "
+                        "word; use train.autocast=bfloat16 (or null)")
     dist.init(device, single=True, timeout_minutes=cfg.dist_timeout_minutes)
     check_train_memory(cfg, device)  # before anything is loaded: refuses when the estimate exceeds free memory
     if tcfg.num_threads:
@@ -493,9 +497,14 @@ def load_data(cfg: DictConfig, target, layers: list[int], device: torch.device, 
     all_lengths = row_lengths(ds["train"])
     index = train_subset(all_lengths, tcfg.data_tokens, cfg.seed)
     lengths = [all_lengths[r] for r in index]
-    steps_per_epoch = len(micro_batches(lengths, tcfg.micro_batch_tokens, 0)) // per_step
+    n_micro = len(micro_batches(lengths, tcfg.micro_batch_tokens, 0))
+    steps_per_epoch = n_micro // per_step
     if steps_per_epoch == 0:
-        raise ValueError(f"not enough training rows for one step of {per_step} micro-batches")
+        raise UserError(f"{len(lengths)} training rows ({sum(lengths)} tokens) make {n_micro} micro-batches of "
+                        f"train.micro_batch_tokens={tcfg.micro_batch_tokens}, fewer than one optimizer step takes "
+                        f"({per_step}: {per_step // tcfg.grad_accum} rank(s) x train.grad_accum={tcfg.grad_accum}): "
+                        "lower train.micro_batch_tokens or train.grad_accum, run on fewer ranks, or train on more "
+                        f"data (train.data_tokens={tcfg.data_tokens}, data.sources)")
     return Data(Batches("train", ds["train"], captures, target, layers, device, index),
                 Batches("validation", ds["validation"], captures, target, layers, device),
                 val_subset(row_lengths(ds["validation"]), tcfg.val_tokens), lengths, steps_per_epoch)
@@ -699,7 +708,7 @@ class Trainer:
         saved = self.out / "head" / "metrics.json"
         newer = dist.broadcast(json.loads(saved.read_text()) if dist.is_main() and saved.exists() else None)
         if (newer and newer.get("run") == state["run"] and newer["step"] >= state["step"]
-                and newer["sim_tau"] > state["best"]):
+                and newer.get("sim_tau", -1.0) > state["best"]):
             state.update(best=newer["sim_tau"], best_step=newer["step"], bad_evals=0)
             log(f"[train] head/ holds a better head saved at step {newer['step']}, after this checkpoint was (sim_tau "
                 f"{newer['sim_tau']:.3f}): kept unless beaten")
@@ -733,6 +742,11 @@ class Trainer:
             f"{self.data.steps_per_epoch} steps/epoch, {self.planned_steps} steps planned, "
             f"world {self.world} x accumulation {tcfg.grad_accum}, device {self.device}, {self.dtype}; "
             f"{len(self.data.val_rows)} validation rows, shared by the ranks")
+        if not self.data.val_rows:
+            log("[train] warning: no validation rows (data.validation_fraction=0, or every row's split is train): "
+                "nothing measures the head while it trains, so the last head is kept (saved at each validation "
+                "point and at the end) and early stopping is off; hold rows out (data.validation_fraction > 0) to "
+                "keep the best head instead")
         self.run_start = time.time()  # this process (throughputs)
         self.start = self.run_start - state.get("train_s", 0.0)  # the whole run: the budget counts earlier runs too
         self.side_s = 0.0  # time spent validating and checkpointing (excluded from the training throughput)
@@ -844,6 +858,12 @@ class Trainer:
         ``<out>/head``) and count towards early stopping."""
         t0 = time.time()
         state = self.state
+        if not self.data.val_rows:   # nothing to score (every figure would be 1.0, the first head "best" for good,
+            with self.average.swapped_in() if self.average else nullcontext():   # then an early stop): the last
+                self.save_best({"rows": 0})                                     # head is kept
+            state["history"].append({"step": state["step"], "reason": reason, "rows": 0})
+            self.side_s += time.time() - t0
+            return
         with self.average.swapped_in() if self.average else nullcontext():
             metrics = validate(self.model, self.kind, self.cfg, self.data.val, self.data.val_rows, self.draft_rows,
                                max(self.tcfg.micro_batch_tokens, 2048))
@@ -921,9 +941,9 @@ class Trainer:
         self.side_s += time.time() - t0
 
     def should_stop(self, timed_out: bool) -> bool:
-        """Early stopping (``train.patience`` validations without improvement) or the time budget spent."""
+        """Early stopping (``train.patience`` validations without improvement; null: none) or the time budget spent."""
         stop = False
-        if self.state["bad_evals"] >= self.tcfg.patience:
+        if self.tcfg.patience is not None and self.state["bad_evals"] >= self.tcfg.patience:
             log(f"[train] early stop: no validation improvement in {self.tcfg.patience} evaluations")
             stop = True
         if timed_out:
@@ -951,8 +971,10 @@ class Trainer:
         if dist.is_main():
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
         self.tracker.summary({f"best/{k}": v for k, v in best.items() if isinstance(v, (int, float))})
+        kept = (f"best validation sim_tau {best['sim_tau']:.3f}" if "sim_tau" in best else
+                "no validation rows: the last head")
         log(f"[train] done: {state['step']} steps in {elapsed / 60:.1f} min, {summary['tokens_per_s']} tok/s; "
-            f"best validation sim_tau {best['sim_tau']:.3f} (step {best['step']}) -> {out / 'head'}")
+            f"{kept} (step {best['step']}) -> {out / 'head'}")
         return {"head": str(out / "head"), "best": best, "steps": state["step"], "tokens_per_s": summary["tokens_per_s"]}
 
 
