@@ -646,11 +646,12 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
         for j in jobs:
             j.cancel()
 
-    errors = []
+    errors, jobs = [], []
     try:
         with appending(path) as f, futures.ThreadPoolExecutor(max_workers=client.concurrency) as pool:
-            jobs = [pool.submit(converse, row, f) for row in state.values()]
-            try:
+            try:   # (Ctrl-C while 500k conversations are queued, seconds: those queued so far are cancelled too)
+                for row in state.values():
+                    jobs.append(pool.submit(converse, row, f))
                 for job in futures.as_completed(jobs):
                     if not job.cancelled() and job.exception() is not None and not errors:
                         errors.append(job.exception())

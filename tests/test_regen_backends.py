@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -360,6 +361,28 @@ def test_ctrl_c_starts_no_request_and_keeps_the_answers_in_flight(tiny, referenc
 
     assert len(kept) == 3 and all(texts(kept[k]) == texts(reference[k]) for k in kept)
     assert any("the 3 in flight are awaited" in r.message for r in caplog.records)
+
+
+def test_ctrl_c_while_the_conversations_are_queued_cancels_them(tiny, tmp_path, monkeypatch):
+    """Ctrl-C in the seconds 500k conversations take to be queued: the queued ones are cancelled (they were all
+    generated: the interrupt skipped the stop, and the pool's exit waited for every one)."""
+    _, tok, rcfg, eos = tiny
+    submit, queued = futures.ThreadPoolExecutor.submit, []
+
+    def ctrl_c_at_the_third(pool, *args):
+        if len(queued) == 3:
+            raise KeyboardInterrupt
+        queued.append(submit(pool, *args))
+        return queued[-1]
+
+    monkeypatch.setattr(futures.ThreadPoolExecutor, "submit", ctrl_c_at_the_third)
+    stub = stub_for(tiny, delay_s=lambda body: 0.5)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl", OpenAIClient(stub.url, None, 30, 0, 1), eos)
+    finally:
+        stub.close()
+    assert len(CONVS) > 3 and len(stub.requests) == 1 and sum(q.cancelled() for q in queued) == 2
 
 
 def test_a_failure_ends_the_other_requests_back_off(tiny, tmp_path):
