@@ -48,6 +48,8 @@ from data.regenerate import (
     answer_room,
     assistant_message,
     cache_line,
+    cache_settings,
+    check_snapshot,
     cut_at_length,
     eos_ids,
     finished,
@@ -171,6 +173,7 @@ def regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
         def hold() -> None:
             held.enter_context(cache_lock(path))
             fold_parts(path)  # whatever runs now (any backend, rank count or one process) resumes an interrupted shard
+            check_snapshot(cfg, path, cache_settings(cfg.data.regen, cfg.data.system_prompt, cfg.data.get("thinking")))
 
         if shares_work(cfg, "data"):   # rank 0 holds it; its refusal reaches every rank (they waited in a barrier for
             dist.on_main(hold)         # dist_timeout_minutes where no launcher stops them: other nodes)

@@ -36,14 +36,14 @@ from pathlib import Path
 import torch
 
 from data.captured import CaptureWriter
-from data.formats import appending, iter_jsonl, line_count, pack_ids, prompt_key, rewrite_jsonl
+from data.formats import appending, iter_jsonl, line_count, pack_ids, prompt_key, rewrite_jsonl, write_atomic
 from data.template import as_generated, conversation_ids, prompt_ids, with_system
 from eval.sampling import warp
 from train.errors import UserError
 from train.kvcache import join, joinable, kv_cache
 from train.log import log, progress
 from train.losses import full_argmax
-from train.target import last_logits_only, masks_single_queries
+from train.target import last_logits_only, masks_single_queries, target_snapshot
 
 CAP_MARGIN = 16  # answer tokens generated past data.max_length (answer_room)
 
@@ -219,13 +219,50 @@ def cache_file(directory: str, target_fp: str, rcfg, system_prompt: str | None, 
     """The cache of one target and generation setting (``data.thinking`` included when set). Temperature and top-p
     count by value (``temperature=0`` names the default 0.0's cache); ``as_written``: as the config writes them, the
     name before 2026-12-07."""
+    settings = target_fp + cache_settings(rcfg, system_prompt, thinking, as_written)
+    return Path(directory) / f"{hashlib.sha256(settings.encode()).hexdigest()[:16]}.jsonl"
+
+
+def cache_settings(rcfg, system_prompt: str | None, thinking: bool | None = None, as_written: bool = False) -> str:
+    """What names a cache of answers beside the target (:func:`cache_file`)."""
     t, p = (rcfg.temperature, rcfg.top_p) if as_written else (float(rcfg.temperature), float(rcfg.top_p))
-    settings = f"{target_fp}-n{rcfg.max_new_tokens}-t{t}-p{p}-s{rcfg.seed}-{system_prompt!r}"
+    settings = f"-n{rcfg.max_new_tokens}-t{t}-p{p}-s{rcfg.seed}-{system_prompt!r}"
     if rcfg.top_k:   # a key added 2026-12-07: the caches made before it stay found
         settings += f"-k{rcfg.top_k}"
     if thinking is not None:
         settings += f"-thinking{thinking}"
-    return Path(directory) / f"{hashlib.sha256(settings.encode()).hexdigest()[:16]}.jsonl"
+    return settings
+
+
+def check_snapshot(cfg, path: Path, settings: str) -> None:
+    """(Rank 0) A cache of a Hub target's answers or prompts (``path``) is named by the snapshot's commit: a repo
+    that got any commit since (a README edit) names a new, empty cache, and a run of days would start over without a
+    word. The snapshot and the cache's ``settings`` (everything but the target) are noted beside it
+    (``<stem>.target.json``); where ``path`` holds nothing yet and a cache of the same repo and settings at another
+    commit does, the run is refused naming ``model.revision=<that commit>`` (continue it) and ``model.revision=<this
+    one>`` (start over). A pinned ``model.revision`` is not refused; a local folder has no commit."""
+    snapshot = target_snapshot(cfg)
+    if snapshot is None:
+        return
+    note = path.with_name(f"{path.stem}.target.json")
+    if not note.exists():
+        write_atomic(note, json.dumps({"snapshot": snapshot, "settings": settings}))
+    if cfg.model.get("revision") or any(f.stat().st_size for f in path.parent.glob(glob.escape(path.stem) + "*.jsonl")):
+        return   # (pinned, or this cache or its part files hold work: it goes on)
+    repo, _, commit = snapshot.rpartition("@")
+    for other in sorted(path.parent.glob("*.target.json")):
+        try:
+            made = json.loads(other.read_text())
+        except (OSError, ValueError):
+            continue
+        cache = other.with_name(other.name.removesuffix(".target.json") + ".jsonl")
+        if (made.get("settings") == settings and made.get("snapshot", "").rpartition("@")[0] == repo
+                and made["snapshot"] != snapshot and cache.exists() and cache.stat().st_size):
+            old = made["snapshot"].rpartition("@")[2]
+            raise UserError(f"{repo} has moved on to commit {commit} since {cache} ({cache.stat().st_size / 2**20:.1f} "
+                            f"MiB) was made with these settings at commit {old}: this run would start it over. Add "
+                            f"model.revision={old} to continue it with the weights it was made with, or "
+                            f"model.revision={commit} to start over with the new commit")
 
 
 def found_cache(paths: list[Path]) -> Path:

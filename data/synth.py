@@ -52,7 +52,7 @@ import torch
 from filelock import FileLock
 
 from data.formats import DataError, appending
-from data.regenerate import Answer, eos_ids, found_cache, refill_rows, request_seed, stream
+from data.regenerate import Answer, check_snapshot, eos_ids, found_cache, refill_rows, request_seed, stream
 from data.template import user_turn_prefix
 from train import dist
 from train.log import log, progress
@@ -178,11 +178,16 @@ def settings(source: dict, seed: int) -> dict:
 def cache_file(directory: str | Path, target_fp: str, s: dict, as_written: bool = False) -> Path:
     """Keyed by the target and everything that changes the generated text, not by n; temperature and top-p by value
     (``as_written``: as the source writes them, the key before 2026-12-07)."""
+    digest = hashlib.sha256(json.dumps([target_fp, synth_settings(s, as_written)], sort_keys=True).encode()).hexdigest()
+    return Path(directory) / f"{digest[:16]}.jsonl"
+
+
+def synth_settings(s: dict, as_written: bool = False) -> dict:
+    """What names a cache of prompts beside the target (:func:`cache_file`)."""
     key = {k: s[k] for k in ("batch_size", "max_new_tokens", "temperature", "top_p", "seed", "hints")}
     if not as_written:
         key.update(temperature=float(key["temperature"]), top_p=float(key["top_p"]))
-    digest = hashlib.sha256(json.dumps([target_fp, key], sort_keys=True).encode()).hexdigest()[:16]
-    return Path(directory) / f"{digest}.jsonl"
+    return key
 
 
 def part_file(path: Path, rank: int) -> Path:
@@ -511,6 +516,11 @@ class Synthesizer:
                             "one its own seed (e.g. seed: 1), or make them one source")
         self.sources[path] = name
         path.parent.mkdir(parents=True, exist_ok=True)
+        check = functools.partial(check_snapshot, self.cfg, path, json.dumps(synth_settings(s), sort_keys=True))
+        if shares_work(self.cfg, "data"):   # (every rank reads the sources: rank 0's refusal on all)
+            dist.on_main(check)
+        elif dist.is_main():
+            check()
         # Under a launcher with hf regeneration every rank reads the sources: they write the batches together
         # (rank r the batches b = r mod world) and each filters all of them (every rank has the same prompts).
         world = dist.world_size() if shares_work(self.cfg, "data") else 1

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from heads.io import head_config
@@ -143,23 +144,34 @@ def test_unsorted_or_repeated_taps_are_refused():
             head_config("eagle3", config, cfg.head, 64)
 
 
+def hub_snapshot(tmp_path: Path, monkeypatch, commit: str = "0123abcd") -> Path:
+    """A Hub cache's snapshot folder of repo org/tiny at ``commit`` (the tiny twin's config and tokenizer files), as
+    transformers' cached_file finds it (patched to look there)."""
+    import shutil
+
+    import transformers.utils
+
+    from train.target import target_path
+
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for f in Path(target_path(make_cfg(["model=tiny-llama"]))).iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, snapshot / f.name)
+    monkeypatch.setattr(transformers.utils, "cached_file", lambda repo, name, **kw: str(Path(repo) / name))
+    return snapshot
+
+
 def test_a_hub_targets_identity_does_not_change_when_its_weights_arrive(tmp_path, monkeypatch):
     """A Hub target's regeneration cache is keyed before its weights are downloaded (config and tokenizer
     only) and looked up again after: the identity of a Hub snapshot is its repository, commit and config, so
     a rerun finds the answers of the crashed run. A local folder is identified by its files, weights included."""
     import shutil
 
-    import transformers.utils
-
     from train.target import target_fingerprint, target_path
 
     tiny = Path(target_path(make_cfg(["model=tiny-llama"])))
-    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "0123abcd"
-    snapshot.mkdir(parents=True)
-    for f in tiny.iterdir():
-        if f.suffix == ".json":
-            shutil.copy(f, snapshot / f.name)
-    monkeypatch.setattr(transformers.utils, "cached_file", lambda repo, name, **kw: str(Path(repo) / name))
+    snapshot = hub_snapshot(tmp_path, monkeypatch)
     cfg = make_cfg(["model=qwen2.5-7b", f"model.path={snapshot}"])
     before = target_fingerprint(cfg)
     for f in tiny.glob("*.safetensors"):   # the weights arrive
@@ -261,3 +273,31 @@ def test_online_training_sees_what_the_extract_stage_stores(twin, tmp_path):
     torch.testing.assert_close(online["states"][valid], offline["states"][valid].to(online["states"].dtype),
                                atol=1e-5, rtol=1e-4)
     assert torch.equal(online["argmax"][valid], offline["argmax"][valid])
+
+
+def test_a_cache_of_a_hub_target_that_moved_on_is_not_started_over_without_a_word(tmp_path, monkeypatch):
+    """Any new commit of a Hub repo (a README edit) names a new regeneration cache: a rerun after days of answers
+    started over, saying only "0 cached". Refused, naming the commit to pin (continue) and the new one (start over);
+    a pinned revision, other settings or a cache already under way go on."""
+    from data.regenerate import cache_file, cache_settings, check_snapshot
+    from train.errors import UserError
+    from train.target import target_fingerprint
+
+    first, moved = hub_snapshot(tmp_path, monkeypatch), hub_snapshot(tmp_path, monkeypatch, "4567ef01")
+    made, now = (make_cfg(["model=qwen2.5-7b", f"model.path={p}"]) for p in (first, moved))
+    rcfg, regen = made.data.regen, tmp_path / "regen"
+    regen.mkdir()
+    settings = cache_settings(rcfg, None)
+    old, new = (cache_file(regen, target_fingerprint(c), rcfg, None) for c in (made, now))
+    check_snapshot(made, old, settings)   # the first run notes its commit beside its cache ...
+    old.write_text('{"key": "a"}\n')     # ... and answers
+    with pytest.raises(UserError, match=r"org/tiny has moved on to commit 4567ef01 since .*\.jsonl \(0\.0 MiB\) was "
+                                        r"made with these settings at commit 0123abcd: this run would start it over\. "
+                                        r"Add model\.revision=0123abcd to continue it .* or model\.revision=4567ef01"):
+        check_snapshot(now, new, settings)
+    check_snapshot(now, new, cache_settings(OmegaConf.merge(rcfg, {"seed": 5}), None))   # other answers: another cache
+    new.with_name(f"{new.stem}.rank1of8.jsonl").write_text('{"key": "b"}\n')   # this commit's own work under way
+    check_snapshot(now, new, settings)
+    new.with_name(f"{new.stem}.rank1of8.jsonl").unlink()
+    now.model.revision = "4567ef01"   # pinned to the new commit: started over, as asked
+    check_snapshot(now, new, settings)
