@@ -140,6 +140,9 @@ def _build_tiny_tokenizer(template: str):
     return tok
 
 
+TINY_BUILD = 2   # in the tiny twins' cache key: 2 = norms and biases random (1: transformers' ones and zeros)
+
+
 def _build_tiny(mcfg: DictConfig, out: Path) -> None:
     """A random model with the quirks of the real family it twins (see conf/model/tiny-*.yaml)."""
     tok = _build_tiny_tokenizer(mcfg.template)
@@ -173,6 +176,8 @@ def _build_tiny(mcfg: DictConfig, out: Path) -> None:
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.25 if "embed" in name or "lm_head" in name else 0.08)
+            else:   # norms around 1, biases around 0 (not transformers' exact 1 and 0: a norm or bias read from the
+                p.normal_(1.0, 0.2) if "norm" in name else p.normal_(0.0, 0.1)   # wrong tensor, or not at all, shows)
         # Padding rows are never produced (zero logits lose to the real tokens), as in the real models.
         model.get_input_embeddings().weight[len(tok):] = 0
         model.get_output_embeddings().weight[len(tok):] = 0
@@ -207,7 +212,8 @@ def target_path(cfg: DictConfig) -> str:
         key = _sha_file(_gguf_path(mcfg))
         build = _build_from_gguf
     elif mcfg.source == "tiny":
-        key = hashlib.sha256(json.dumps(OmegaConf.to_container(mcfg, resolve=True), sort_keys=True).encode()).hexdigest()[:16]
+        key = hashlib.sha256(json.dumps([TINY_BUILD, OmegaConf.to_container(mcfg, resolve=True)],
+                                        sort_keys=True).encode()).hexdigest()[:16]
         build = _build_tiny
     else:
         raise ValueError(f"model.source must be hf | gguf_package | tiny, got {mcfg.source!r}")
