@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, child_env, make_cfg
+from tests.test_pipeline import prepared as prepared  # noqa: F401  (a module fixture, re-exported)
 from train import plan as planner
 from train.stages import _write_marker, fingerprint
 
@@ -79,6 +80,33 @@ def test_plan_figures_follow_the_config(cfg_factory):
     online = planner.format_plan(planner.plan(cfg_factory("model=qwen2.5-7b", "planner.tokens=10000000000000",
                                                           "train.online=true")))
     assert "EXTRACT  skipped: train.online=true" in online and "DISK TOO SMALL" not in online
+
+
+def test_the_disk_check_counts_only_what_extract_still_writes(prepared, tmp_path, monkeypatch):
+    """A plan between stages said "DISK TOO SMALL: extract will refuse" with room to spare: it wanted twice the
+    shards free (the kept states beside them) after the data stage had already written those states, and the
+    shards' room again after extract had written them (the free space already counts both)."""
+    import collections
+    import shutil
+
+    from tests.test_pipeline import fresh_run
+    from train.stages import MARKER, stage_dir
+
+    cfg = fresh_run(prepared, tmp_path, "stages=[extract]")
+    done = planner.plan(cfg)["extract"]
+    assert done["done"] and done["disk_to_write"] == 0 and done["disk_peak"] > 0
+    out = stage_dir(cfg, "extract")
+    (out / MARKER).unlink()
+    shard = max(out.glob("*.safetensors"), key=lambda f: f.stat().st_size)
+    lost = shard.stat().st_size
+    shard.unlink()   # extraction cut short: one shard to write, the data stage's states long written
+    p = planner.plan(cfg)
+    assert not p["extract"]["done"] and 0 < p["extract"]["disk_to_write"] <= lost < p["extract"]["disk_peak"]
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, 2 * lost))
+    assert "DISK TOO SMALL" not in planner.format_plan(planner.plan(cfg))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, lost // 2))
+    assert "DISK TOO SMALL" in planner.format_plan(planner.plan(cfg))
 
 
 def test_plan_reads_the_states_of_every_training_step_from_disk(cfg_factory):

@@ -484,6 +484,12 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
     per_token = sh.captured * H * getattr(torch, cfg.extract.dtype).itemsize + 4   # + the int32 argmax
     run_dir = Path(cfg.run_dir).absolute()
     disk_dir = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    # what extract still writes: the shards not written yet and, before the data stage has kept its states (they sit
+    # beside the shards until copied), those states too; what is on disk already is out of the free space
+    shards = stage_dir(cfg, "extract")
+    written = sum(f.stat().st_size for f in shards.glob("*.safetensors")) if shards.is_dir() else 0
+    to_write = 0 if done["extract"] else max(0, total * per_token - written) + (
+        total * per_token if copies_states(cfg) and not done["data"] else 0)
     # Throughputs per rank: stated, or sustained FLOP/s over FLOPs per token (2 per matmul weight forward,
     # 6 forward + backward); extraction also limited by the disk's write bandwidth shared by all ranks.
     kind = "gpu" if device.type == "cuda" else "cpu"
@@ -521,6 +527,7 @@ def plan(cfg: DictConfig, device: torch.device | None = None) -> dict:
                     # states kept while regenerating sit beside the shards until extract has copied them all
                     "disk_peak": total * per_token * (2 if copies_states(cfg) else 1),
                     "disk_free": shutil.disk_usage(disk_dir).free, "disk_margin": cfg.extract.disk_margin,
+                    "disk_to_write": to_write,
                     "memory": extract_memory(cfg, sh, dtype, world), "tok_s": extract_rate, "basis": extract_basis,
                     "hours": 0.0 if done["extract"] else total / (extract_rate * world) / 3600, "done": done["extract"]},
         "train": {"memory": train_memory(cfg, sh, dtype, world), "tok_s": train_rate, "tokens": trained,
@@ -555,7 +562,7 @@ def format_plan(p: dict) -> str:
     """The plan as a table (what ``plan=true`` prints)."""
     sh, ex, tr = p["shapes"], p["extract"], p["train"]
     c, free = sh.config, p["free_here"]
-    short_disk = ex["disk_free"] < ex["disk_peak"] * ex["disk_margin"]
+    short_disk = ex["disk_free"] < ex["disk_to_write"] * ex["disk_margin"]
     lines = [
         f"PLAN   model={p['model']}: {p['architecture']}, {_count(sh.target_params)} parameters, {c.num_hidden_layers} "
         f"layers, hidden {c.hidden_size}, vocabulary {c.vocab_size} (from {p['config_source']})",
