@@ -301,3 +301,42 @@ def test_a_cache_of_a_hub_target_that_moved_on_is_not_started_over_without_a_wor
     new.with_name(f"{new.stem}.rank1of8.jsonl").unlink()
     now.model.revision = "4567ef01"   # pinned to the new commit: started over, as asked
     check_snapshot(now, new, settings)
+
+
+def test_a_quantised_checkpoints_layer_is_refused_not_read_without_its_scales(tmp_path):
+    """An FP8 target (Qwen3-8B-FP8: block scales beside each weight) loads and extracts (transformers dequantises),
+    but head.layer_init read its layer's raw float8 values into the draft layer, wrong by the missing scales, without
+    a word: refused, naming the bf16 checkpoint and head.layer_init=null."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from train.errors import TargetError
+    from train.target import load_layer_weights, load_weights, target_path
+
+    folder = tmp_path / "fp8"
+    shutil.copytree(target_path(make_cfg(["model=tiny-qwen3"])), folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = next(k for k in tensors if k.endswith("layers.1.self_attn.q_proj.weight"))
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, str(folder / "model.safetensors"))
+    cfg = make_cfg(["model=tiny-qwen3", "model.source=hf", f"model.path={folder}"])
+    assert load_weights(cfg).embed.shape[0] > 0   # its embedding, norm and lm_head are not quantised: read
+    with pytest.raises(TargetError, match=r"self_attn.q_proj.weight is stored as F8_E4M3 .*, a quantised checkpoint "
+                                          r".* bf16 checkpoint .*head.layer_init=null"):
+        load_layer_weights(cfg, 1)
+
+
+def test_a_checkpoint_laid_out_otherwise_is_named_not_a_key_error(tmp_path):
+    """A multimodal wrapper's checkpoint (Qwen3.5: model.language_model.*, model.visual.*, mtp.*) loaded as its
+    text model by transformers' renames: the final norm matched every stored *.norm.weight, and training stopped on a
+    bare KeyError after the data and extract stages."""
+    from train.errors import TargetError
+    from train.target import _Checkpoint
+
+    ckpt = _Checkpoint(make_cfg(["model=tiny-qwen3"]))
+    ckpt.where = {k: "model.safetensors" for k in ("model.language_model.layers.0.norm.weight",
+                                                    "model.visual.merger.norm.weight", "mtp.norm.weight")}
+    with pytest.raises(TargetError, match=r"'model.norm.weight' is ambiguous .* \(3 stored names end like it.*"
+                                          r"Point model.path at a text-only checkpoint"):
+        ckpt.key("model.norm.weight")

@@ -321,6 +321,10 @@ def target_files(cfg: DictConfig, names: tuple[str, ...]) -> list[Path]:
     return found
 
 
+# safetensors' names of the floating dtypes (others: a quantised checkpoint, F8_E4M3, I32, U8)
+FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
 class _Checkpoint:
     """Named tensors of the target's safetensors files, read one at a time (no model is built): the
     architecture's parameter names come from a meta-device skeleton."""
@@ -358,7 +362,10 @@ class _Checkpoint:
         if not found and name.count(".") >= 2:  # or under another first component
             found = [k for k in self.where if k.endswith("." + name.split(".", 1)[1])]
         if len(found) != 1:
-            raise KeyError(f"tensor {name!r} not found (once) in the checkpoint of {self.path!r}: {found[:5]}")
+            raise TargetError(f"the target's tensor {name!r} is {'ambiguous' if found else 'missing'} in the checkpoint "
+                              f"of {self.path!r} ({len(found)} stored names end like it: {found[:5]}): its files do "
+                              f"not store the {type(self.skeleton).__name__} this project builds (a multimodal wrapper's "
+                              "language model?). Point model.path at a text-only checkpoint of the model")
         return found[0]
 
     def read(self, names: list[str], dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
@@ -367,6 +374,12 @@ class _Checkpoint:
         for stored in map(self.key, names):
             if stored not in out:
                 with self.open(self.where[stored]) as f:
+                    if (kind := f.get_slice(stored).get_dtype()) not in FLOAT_DTYPES:
+                        raise TargetError(
+                            f"the target's tensor {stored} is stored as {kind} in {self.path!r}, a quantised checkpoint "
+                            "(FP8, int): read as it is, without its scales, its values would be wrong. Use the model's "
+                            "bf16 checkpoint (model.hub_id / model.path); or keep this one and start the draft layer "
+                            "from random weights (head.layer_init=null)")
                     out[stored] = f.get_tensor(stored).to(device, dtype)
         return out
 
@@ -380,11 +393,10 @@ class _Checkpoint:
     def stored_dtypes(self) -> set[torch.dtype | str]:
         """The dtypes the checkpoint's files store its tensors in (their headers only: nothing is read): torch's
         for the floating ones, safetensors' names for the others (``F8_E4M3``, ``I32``: a quantised checkpoint)."""
-        names = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
         out = set()
         for file in sorted(set(self.where.values())):
             with self.open(file) as f:
-                out |= {names.get(d, d) for d in (f.get_slice(k).get_dtype() for k in f.keys())}
+                out |= {FLOAT_DTYPES.get(d, d) for d in (f.get_slice(k).get_dtype() for k in f.keys())}
         return out
 
 
