@@ -218,16 +218,18 @@ def capture_writer(cfg: DictConfig, rows: int) -> CaptureWriter | None:
 
 
 def generation_config(cfg: DictConfig):
-    """The target's generation config (its EOS ids), without loading weights; None when it has none."""
+    """The target's generation config (its EOS ids), without loading weights; without a generation_config.json, the
+    one transformers makes from config.json, as a loaded model has (the hf backend's: its EOS ids, e.g. Llama-3.1's
+    list, must be the servers' too)."""
     from transformers import GenerationConfig
 
-    from train.target import _offline, target_path
+    from train.target import _offline, load_config, target_path
 
     try:
         return GenerationConfig.from_pretrained(target_path(cfg), revision=cfg.model.revision,
                                                 local_files_only=_offline())
     except OSError:
-        return None
+        return GenerationConfig.from_model_config(load_config(cfg))
 
 
 # --- hf across ranks --------------------------------------------------------------------------------------

@@ -363,6 +363,26 @@ def test_ctrl_c_starts_no_request_and_keeps_the_answers_in_flight(tiny, referenc
     assert any("the 3 in flight are awaited" in r.message for r in caplog.records)
 
 
+def test_servers_stop_at_the_eos_ids_of_a_target_without_generation_config(tmp_path):
+    """A local fine-tune saved without generation_config.json: the hf backend stops at config.json's EOS ids (a list
+    at Llama-3.1), as transformers builds them; the servers stopped at the tokenizer's EOS alone, and one cache mixed
+    answers stopped otherwise (or ran every answer to max_new_tokens)."""
+    import shutil
+
+    from data.engines import generation_config
+    from train.target import load_tokenizer, target_path
+
+    folder = tmp_path / "fine-tune"
+    shutil.copytree(target_path(make_cfg(["model=tiny-llama"])), folder)
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    tok = load_tokenizer(make_cfg(["model=tiny-llama"]))
+    config["eos_token_id"] = [tok.eos_token_id, 7]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert eos_ids(tok, generation_config(make_cfg(["model=tiny-llama", "model.source=hf", f"model.path={folder}"]))) \
+        == {tok.eos_token_id, 7}
+
+
 def test_ctrl_c_while_the_conversations_are_queued_cancels_them(tiny, tmp_path, monkeypatch):
     """Ctrl-C in the seconds 500k conversations take to be queued: the queued ones are cancelled (they were all
     generated: the interrupt skipped the stop, and the pool's exit waited for every one)."""
