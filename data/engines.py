@@ -34,6 +34,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import zlib
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -143,8 +144,13 @@ def engine_client(cfg: DictConfig) -> Iterator[OpenAIClient | LocalTarget]:
             local.model = None
         return
     if backend == "openai":  # data.regen.url is checked at the first request: a stage that needs none runs without
-        yield OpenAIClient(rcfg.get("url") or "", rcfg.get("model"), request_timeout(rcfg), rcfg.retries,
-                           rcfg.concurrency or 16)
+        url = rcfg.get("url") or ""
+        urls = [str(u) for u in url] if OmegaConf.is_list(url) else [str(url)]   # several servers: each gets its share
+        if not rcfg.concurrency:
+            log(f"[data] data.regen.concurrency null: {16 * len(urls)} requests at once (16 a server); a server of "
+                "several GPUs answers many more at once (vLLM, SGLang: 64-256 a GPU): raise it")
+        yield OpenAIClient(urls, rcfg.get("model"), request_timeout(rcfg), rcfg.retries,
+                           rcfg.concurrency or 16 * len(urls))
         return
     from train.stages import stage_dir
 
@@ -392,13 +398,16 @@ class OpenAIClient:
     the server does no templating or tokenisation at all. ``return_token_ids`` (vLLM) gives the answer's
     ids, decoded here like the hf backend does; servers without it give text.
 
-    ``concurrency``: requests its users keep in flight; ``server``: a :class:`VLLMServer` started by
-    :meth:`resolve_model`, which every user calls first, from its own thread (its owner stops it).
+    ``url``: one base URL, or several (servers of the same target, each a share of the conversations: a
+    conversation's turns all go to one, whose prefix cache holds its earlier turns); ``concurrency``: requests its
+    users keep in flight, over all of them; ``server``: a :class:`VLLMServer` started by :meth:`resolve_model`, which
+    every user calls first, from its own thread (its owner stops it).
     """
 
-    def __init__(self, url: str, model: str | None, timeout_s: float, retries: int, concurrency: int = 16,
+    def __init__(self, url: str | list[str], model: str | None, timeout_s: float, retries: int, concurrency: int = 16,
                  server: VLLMServer | None = None, backoff_s: float = 1.0):
-        self.base = url.rstrip("/")
+        self.bases = [u.rstrip("/") for u in ([url] if isinstance(url, str) else url)]
+        self.base = ", ".join(self.bases)   # (what logs and errors name)
         self.model = model
         self.max_model_len: int | None = None  # the server's context (prompt + answer), from /models
         self.timeout_s = float(timeout_s)
@@ -411,8 +420,8 @@ class OpenAIClient:
         self.halt = threading.Event()   # set: no request is retried (the run is stopping)
         self.retry_lock, self.retried, self.retry_logged = threading.Lock(), 0, -1e9
 
-    def _request(self, route: str, body: dict | None = None) -> dict:
-        url = f"{self.base}/{route}"
+    def _request(self, route: str, body: dict | None = None, base: str | None = None) -> dict:
+        url = f"{base or self.bases[0]}/{route}"
         data = None if body is None else json.dumps(body).encode()
         last, tries, timeouts, asked_wait = "", 0, 0, 0.0
         # a server that timed out twice is hung or far too loaded: retried on, it would be 9 x timeout_s of silence
@@ -470,24 +479,33 @@ class OpenAIClient:
         this thread: see :meth:`VLLMServer.start`)."""
         if self.server is not None:
             self.server.start()
-            self.base = self.server.url
-        if not self.base:
+            self.bases, self.base = [self.server.url], self.server.url
+        if not all(self.bases):
             raise RegenError("data.regen.backend=openai needs data.regen.url, the base URL of an OpenAI-compatible "
-                             "server, e.g. data.regen.url=http://host:8000/v1")
+                             "server, e.g. data.regen.url=http://host:8000/v1 (several: "
+                             "'data.regen.url=[\"http://a:8000/v1\",\"http://b:8000/v1\"]')")
         if self.model is None or self.max_model_len is None:
-            models = self._request("models").get("data") or []
-            if not models and not self.model:
-                raise RegenError(f"{self.base}/models lists no model; set data.regen.model")
-            self.model = self.model or models[0]["id"]
-            served = [m for m in models if m.get("id") == self.model] or models[:1]
-            self.max_model_len = int(served[0].get("max_model_len") or 0) if served else 0
+            lens = []
+            for base in self.bases:   # every server serves the model (the first's, unless named); the context is the
+                models = self._request("models", base=base).get("data") or []   # smallest of theirs
+                if not models and not self.model:
+                    raise RegenError(f"{base}/models lists no model; set data.regen.model")
+                self.model = self.model or models[0]["id"]
+                served = [m for m in models if m.get("id") == self.model]
+                if models and not served and len(self.bases) > 1:
+                    raise RegenError(f"{base} serves {[m.get('id') for m in models]}, not {self.model!r}: every server "
+                                     "of data.regen.url must serve the target (or set data.regen.model)")
+                served = served or models[:1]
+                lens.append(int(served[0].get("max_model_len") or 0) if served else 0)
+            self.max_model_len = min((n for n in lens if n), default=0)
         return self.model
 
     def complete(self, ids: list[int], eos: set[int], seed: int, max_tokens: int, temperature: float,
-                 top_p: float, top_k: int = 0) -> dict:
+                 top_p: float, top_k: int = 0, route: str = "") -> dict:
         """One answer: the first choice of ``/completions`` for the prompt token ids, with ``usage``; at most
         ``max_tokens`` tokens and what the server's context leaves (SGLang refuses a prompt + max_tokens beyond
-        it, vLLM cuts). ``seed`` is sent when sampling (``temperature`` > 0)."""
+        it, vLLM cuts). ``seed`` is sent when sampling (``temperature`` > 0). ``route`` picks the server among
+        several (the same one for the same value: a conversation's key)."""
         model = self.resolve_model()
         room = max_tokens
         if self.max_model_len:
@@ -501,7 +519,7 @@ class OpenAIClient:
                 "return_token_ids": True}
         if temperature > 0:  # one seed per request: vLLM's noise is a function of (seed, position, token)
             body["seed"] = seed
-        out = self._request("completions", body)
+        out = self._request("completions", body, self.bases[zlib.crc32(route.encode()) % len(self.bases)])
         try:
             choice = out["choices"][0]
         except (KeyError, IndexError, TypeError):
@@ -632,7 +650,7 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
             try:
                 choice = client.complete(ids, eos, request_seed(rcfg.seed, row["key"], turn),
                                          answer_room(len(ids), rcfg.max_new_tokens, max_length), rcfg.temperature,
-                                         rcfg.top_p, rcfg.top_k)
+                                         rcfg.top_p, rcfg.top_k, route=row["key"])
             except RequestRefused as e:
                 return refuse(row, turn, str(e), e.code)
             with lock:

@@ -352,7 +352,8 @@ class ServerWriter:
         for b, prompts in jobs:
             if b not in self.asked:
                 self.asked[b] = [self.pool.submit(client.complete, ids, eos, request_seed(s["seed"], f"synth-{b}", k),
-                                                  s["max_new_tokens"], s["temperature"], s["top_p"])
+                                                  s["max_new_tokens"], s["temperature"], s["top_p"],
+                                                  route=f"synth-{b}-{k}")
                                  for k, ids in enumerate(prompts)]
         for b in sorted(self.asked):  # the first job's batch first: no batch before it is missing
             if b != jobs[0][0] and not all(answer.done() for answer in self.asked[b]):

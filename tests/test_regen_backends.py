@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from data.engines import OpenAIClient, RegenError, VLLMServer, regenerate_openai
+from data.engines import OpenAIClient, RegenError, VLLMServer, engine_client, regenerate_openai
 from data.regenerate import CAP_MARGIN, cache_file, eos_ids, read_cache, regenerate
 from data.template import prompt_ids
 from tests.conftest import ROOT, LoggedRun, child_env, generate, make_cfg
@@ -164,6 +164,30 @@ def test_openai_backend_writes_what_hf_writes(tiny, reference, tmp_path):
     assert first["top_p"] == 1.0 and first["top_k"] == -1 and first["stop_token_ids"] == sorted(eos)
     assert any(r["prompt"] == prompt_ids(tok, [{"role": "user", "content": "question 1"}]) for r in stub.requests)
     assert len(stub.requests) == 7 + 3  # one request per user turn
+
+
+def test_several_servers_share_the_conversations_each_kept_on_one(tiny, reference, tmp_path):
+    """data.regen.url as a list (one server per node or GPU group): the conversations are shared among the servers,
+    a conversation's turns all on one (its prefix cache), and the cache is what one server writes. Composed from the
+    command line, with concurrency null: 16 a server."""
+    _, tok, rcfg, eos = tiny
+    stubs = [stub_for(tiny), stub_for(tiny)]
+    cfg = make_cfg(["model=tiny-llama", "data.regen.backend=openai",
+                    f'data.regen.url=["{stubs[0].url}","{stubs[1].url}"]'])
+    try:
+        with engine_client(cfg) as client:
+            assert client.bases == [stub.url for stub in stubs] and client.concurrency == 32
+            client.concurrency = 3
+            regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl", client, eos)
+    finally:
+        for stub in stubs:
+            stub.close()
+    assert read_cache(tmp_path / "c.jsonl") == reference
+    prompts = [[r["prompt"] for r in stub.requests if "prompt" in r] for stub in stubs]
+    assert all(prompts) and sum(map(len, prompts)) == 7 + 3
+    for conv in CONVS:   # (a later turn's prompt starts with its first turn's)
+        first = prompt_ids(tok, conv["messages"][:1])
+        assert sum(any(p[:len(first)] == first for p in ps) for ps in prompts) == 1, conv
 
 
 def test_openai_backend_unreachable_url(tiny, tmp_path):
