@@ -640,7 +640,7 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
                     ids = prompt_ids(tokenizer, row["messages"] + [row["users"][turn]])
                 except Exception as e:  # the template refuses it (jinja's raise_exception, ...)
                     ids, reason = None, f"the chat template cannot render it: {e}"
-                if ids is not None and cut_at_length(row, ids, limit):
+                if ids is not None and cut_at_length(row, ids, limit, max_length):
                     f.write(cache_line(row))
                     f.flush()
                     bar.update(len(row["users"]) - turn)
@@ -655,7 +655,7 @@ def regenerate_openai(convs: list[dict], tokenizer, rcfg, system_prompt: str | N
                 return refuse(row, turn, str(e), e.code)
             with lock:
                 message, n, hit_eos = client.answer(choice, tokenizer, eos)
-                add_answer(row, message, n, hit_eos, len(ids), rcfg.max_new_tokens, max_length)
+                add_answer(row, message, n, hit_eos, len(ids), rcfg.max_new_tokens, max_length, limit)
                 stats["new_tokens"] += n
                 outcomes["answered"] += 1
                 f.write(cache_line(row))

@@ -517,13 +517,16 @@ def answer_room(prompt_len: int, max_new_tokens: int, max_length: int | None) ->
 
 
 def add_answer(row: dict, answer: dict, n: int, hit_eos: bool, prompt_len: int, max_new_tokens: int,
-               max_length: int | None) -> None:
+               max_length: int | None, limit: int | None = None) -> None:
     """Append the next turn of conversation ``row``: its user message and ``answer`` (the assistant message,
     ``n`` tokens, ``hit_eos`` when the target ended it; else it is marked ``truncated``: the end of turn the
     template puts after it is not the target's, and not trained on). An answer stopped at its :func:`answer_room` below
     ``max_new_tokens`` is ``capped`` (``n`` noted): the conversation ends there (complete, ``cut_at_length``: the
-    data stage keeps nothing past it), and a run with a larger ``max_length`` asks that turn again (:func:`pending`)."""
-    capped = not hit_eos and n < max_new_tokens and max_length is not None and prompt_len + n >= max_length
+    data stage keeps nothing past it), and a run with a larger ``max_length`` asks that turn again (:func:`pending`).
+    ``limit``: where answers stop when that is sooner than ``max_length`` (a server's smaller context): an answer
+    stopped there is capped alike (not one the target left unfinished), its conversation cut as at ``max_length``."""
+    limit = max_length if limit is None else limit
+    capped = not hit_eos and n < max_new_tokens and limit is not None and prompt_len + n >= limit
     for m in row["messages"]:  # only the last answer's ids are trained on (data.template.as_generated); a capped
         m.pop("token_ids", None)  # answer asked again (pending) leaves the one before it last, as its text
     row["messages"] += [row["users"][_answered(row)], answer if hit_eos else {**answer, "truncated": True}]
@@ -531,16 +534,17 @@ def add_answer(row: dict, answer: dict, n: int, hit_eos: bool, prompt_len: int, 
     row["new_tokens"] += n
     row["complete"] = _answered(row) == len(row["users"])
     if capped:
-        row["complete"], row["cut_at_length"], row["capped"] = True, max_length, n
+        row["complete"], row["cut_at_length"], row["capped"] = True, max_length or limit, n
 
 
-def cut_at_length(row: dict, prompt: list[int], max_length: int | None) -> bool:
+def cut_at_length(row: dict, prompt: list[int], limit: int | None, max_length: int | None = None) -> bool:
     """End conversation ``row`` here (complete, ``cut_at_length`` noted) when its next ``prompt`` already fills
-    ``max_length`` tokens: the data stage would drop every answer token past it, and a server would refuse a
-    prompt beyond its context. True when cut."""
-    if max_length is None or len(prompt) < max_length:
+    ``limit`` tokens: ``data.max_length`` (the data stage would drop every answer token past it) or a server's
+    smaller context (it would refuse the prompt). Noted is ``max_length`` when given (a run of the same
+    ``data.max_length`` finds it done: :func:`finished`; a larger one continues it), else ``limit``. True when cut."""
+    if limit is None or len(prompt) < limit:
         return False
-    row["complete"], row["cut_at_length"] = True, max_length
+    row["complete"], row["cut_at_length"] = True, max_length or limit
     return True
 
 

@@ -599,8 +599,32 @@ def test_answers_fit_the_servers_context(tiny, reference, tmp_path):
     assert len(stub.requests) == len(CONVS) and all(len(r["prompt"]) + r["max_tokens"] <= context for r in stub.requests)
     assert min(r["max_tokens"] for r in stub.requests) < rcfg.max_new_tokens
     two_turns = {k for k, r in reference.items() if sum(m["role"] == "assistant" for m in r["messages"]) == 2}
-    assert {k for k, r in got.items() if r.get("cut_at_length") == context} == two_turns
+    cut = {k for k, r in got.items() if r.get("cut_at_length") == context}   # and the answers stopped at the context
+    assert two_turns <= cut and all(k in two_turns or got[k].get("capped") for k in cut)
     assert all(r["complete"] for r in got.values())
+
+
+def test_conversations_cut_at_a_servers_smaller_context_are_done_for_that_max_length(tiny, tmp_path):
+    """A server whose context is below data.max_length: an answer stopped at its context is capped (its conversation
+    cut there, not an answer the target left unfinished) and the conversations cut there are done for this
+    max_length: a rerun asks nothing (it took them up again every time, a vLLM server started for nothing)."""
+    _, tok, rcfg, eos = tiny
+    context = len(prompt_ids(tok, CONVS[0]["messages"][:1])) + 8
+    stub = stub_for(tiny, max_model_len=context)
+    try:
+        first = regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl", OpenAIClient(stub.url, None, 30, 0, 3),
+                                  eos, max_length=4096)
+        asked = len(stub.requests)
+        again = regenerate_openai(CONVS, tok, rcfg, None, tmp_path / "c.jsonl", OpenAIClient(stub.url, None, 30, 0, 3),
+                                  eos, max_length=4096)
+    finally:
+        stub.close()
+    got = read_cache(tmp_path / "c.jsonl")
+    stopped = {k for k, r in got.items() if r["messages"][-1].get("truncated")}   # at the context, 8 tokens
+    assert first["generated"] == len(CONVS) and again["generated"] == 0 and len(stub.requests) == asked
+    assert stopped and all(got[k].get("capped") and got[k]["cut_at_length"] == 4096 and not got[k]["truncated"]
+                           for k in stopped)
+    assert all(r["complete"] and r.get("cut_at_length") in (None, 4096) for r in got.values())
 
 
 def test_each_sampled_answer_has_its_own_seed(tiny, tmp_path):
