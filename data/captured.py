@@ -25,6 +25,7 @@ import os
 import shutil
 import time
 from collections import OrderedDict
+from concurrent import futures
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +52,9 @@ class CaptureWriter:
     and for the extract stage's shards of every row (28.7 KB per token at 7B: TBs for a ShareGPT-sized set); then it
     keeps no more, and the extract stage computes the other rows. ``rows``: the conversations of the whole data
     stage (every rank's), whose shards the extract stage writes while these files still exist; ``margin``: the
-    extract stage's ``extract.disk_margin``."""
+    extract stage's ``extract.disk_margin``. A file is written by a thread of its own while the target generates on
+    (GBs a batch at 7-8B: seconds the GPU idled, thousands of times), one at a time; :meth:`wait` for it to be done
+    (its rows counted: before reading ``rows``)."""
 
     def __init__(self, directory: Path, layers: list[int], dtype: str, target: str, rows: int = 0,
                  margin: float = 1.0, keep_free: int = 2**30):
@@ -61,9 +64,13 @@ class CaptureWriter:
         self.expected_rows, self.margin = rows, margin
         self.rows = self.tokens = self.bytes = 0
         self.full = False
+        self._writer = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-writer")
+        self._pending: futures.Future | None = None
 
     def write(self, keys: list[str], ids: list[list[int]], hidden: list[torch.Tensor], argmax: list[torch.Tensor]) -> None:
-        """One file with the rows ``keys``: token ids, states [len(ids), n_layers, H] and argmax per row."""
+        """One file with the rows ``keys``: token ids, states [len(ids), n_layers, H] and argmax per row (on the CPU:
+        written meanwhile; the previous file is waited for first)."""
+        self.wait()
         if not keys or self.full:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -80,6 +87,17 @@ class CaptureWriter:
                 f"stage's shards of every row take ~{shards / 2**30:.1f} GiB; it computes the rows not kept "
                 "(extract.source=pass keeps none)")
             return
+        self._pending = self._writer.submit(self._save, keys, ids, hidden, argmax, nbytes)
+
+    def wait(self) -> None:
+        """Until the file being written is on disk (its rows counted, or the writer full after a failure)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _save(self, keys: list[str], ids: list[list[int]], hidden: list[torch.Tensor], argmax: list[torch.Tensor],
+              nbytes: int) -> None:
+        lengths = [len(i) for i in ids]
         name = f"part-{time.time_ns()}-{os.getpid()}.safetensors"
         tmp = self.dir / f".{name}.tmp"
         try:

@@ -438,6 +438,8 @@ def regenerate(convs: list[dict], model, tokenizer, rcfg, system_prompt: str | N
             bar.update(len(finished))
             bar.set_postfix(tok_s=f"{stats['new_tokens'] / (time.time() - start):.0f}")
         flush()
+        if capture is not None:
+            capture.wait()   # its last file on disk, counted
     bar.close()
     stats["seconds"] = round(time.time() - start, 1)
     stats["tokens_per_s"] = round(stats["new_tokens"] / max(stats["seconds"], 1e-9), 1)

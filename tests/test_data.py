@@ -369,6 +369,7 @@ def test_a_failed_write_of_kept_states_keeps_no_more_and_regenerates_on(tmp_path
     monkeypatch.setattr(data.captured, "save_file", no_room)
     capture = CaptureWriter(tmp_path / "captured", [1, 2], "float32", "tiny", keep_free=0)
     capture.write(["k"], [[1, 2, 3]], [torch.zeros(3, 2, 4)], [torch.zeros(3, dtype=torch.int32)])
+    capture.wait()
     assert capture.full and capture.rows == 0 and not list((tmp_path / "captured").iterdir())
 
 
@@ -402,7 +403,34 @@ def test_out_of_memory_while_keeping_states_still_names_the_fix(tiny_llama_cfg, 
         regenerate(convs, model, tok, rcfg, None, tmp_path / "oom.jsonl", capture)
     kept = read_cache(tmp_path / "oom.jsonl")
     assert len(kept) == 4 and sum(r["complete"] for r in kept.values()) == 3
+    capture.wait()
     assert capture.rows == 0
+
+
+def test_kept_states_are_written_while_the_target_generates_on(tmp_path, monkeypatch):
+    """A batch's kept states (GBs at 7-8B) were written, and fsynced, inside the decode loop: the GPU idled through
+    each write, thousands of times a run. A file is written by a thread of its own: write() returns while it is
+    written, the next write() waits for it, wait() counts its rows."""
+    import threading
+
+    import data.captured
+
+    started, release, save = threading.Event(), threading.Event(), data.captured.save_file
+
+    def slow_disk(*args, **kwargs):
+        started.set()
+        assert release.wait(30)
+        save(*args, **kwargs)
+
+    monkeypatch.setattr(data.captured, "save_file", slow_disk)
+    capture = CaptureWriter(tmp_path / "captured", [1, 2], "float32", "tiny", keep_free=0)
+    capture.write(["a"], [[1, 2, 3]], [torch.randn(3, 2, 4)], [torch.arange(3)])
+    assert started.wait(30) and capture.rows == 0   # returned while its file is being written
+    threading.Timer(0.2, release.set).start()
+    capture.write(["b"], [[4, 5]], [torch.randn(2, 2, 4)], [torch.arange(2)])   # waits for the first
+    assert capture.rows == 1
+    capture.wait()
+    assert capture.rows == 2 and len(list((tmp_path / "captured").glob("part-*.safetensors"))) == 2
 
 
 def test_a_torn_file_of_kept_states_is_skipped_not_fatal(tmp_path):
@@ -414,6 +442,7 @@ def test_a_torn_file_of_kept_states_is_skipped_not_fatal(tmp_path):
     capture = CaptureWriter(tmp_path / "captured", [1, 2], "float32", "tiny", keep_free=0)
     hidden = [torch.randn(n, 2, 4) for n in (3, 5)]
     capture.write(["a", "b"], [[1, 2, 3], [4, 5, 6, 7, 8]], hidden, [torch.arange(3), torch.arange(5)])
+    capture.wait()
     (good,) = (tmp_path / "captured").glob("part-*.safetensors")
     (tmp_path / "captured" / "part-9-9.safetensors").write_bytes(good.read_bytes()[:200])   # sorts after: read last
     captured = CapturedStates(tmp_path / "captured", [1, 2], "float32", "tiny")
