@@ -121,6 +121,32 @@ def test_a_forcing_command_repeated_after_a_crash_keeps_what_its_force_redid(pre
     assert all(t != second[f] for f, t in mtimes().items())
 
 
+def test_a_repeated_force_data_reads_a_file_edited_between_its_attempts(tmp_path, monkeypatch):
+    """force=[data] is how an edited source file is read again: the forcing command repeated after a crash in a later
+    stage skips the data it already re-read, unless a file changed since (the user fixed a row, then repeated it)."""
+    import train.extract
+    import train.stages
+
+    path = tmp_path / "chats.jsonl"
+    rows = [json.dumps({"messages": [{"role": "user", "content": f"Say {w}."}, {"role": "assistant", "content": w}]})
+            for w in "cat dog owl fig tea sun".split()]
+    path.write_text("\n".join(rows) + "\n")
+    cfg = make_cfg([*BASE, f"output_root={tmp_path}", f"data.sources=[{{path:'{path}'}}]", "data.regenerate=false",
+                    "stages=[data,extract]", "force=[data]"])
+    lines: list[str] = []
+    monkeypatch.setattr(train.stages, "log", lambda msg, *a: lines.append(msg))
+    monkeypatch.setattr(train.extract, "run", lambda cfg: (_ for _ in ()).throw(RuntimeError("crash")))
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="crash"):
+            run_stages(cfg)
+    assert sum(line.startswith("[data] running") for line in lines) == 1   # the repeat: skipped
+    path.write_text("\n".join(rows[:-1]) + "\n")   # a row fixed (here: left out) between two attempts
+    with pytest.raises(RuntimeError, match="crash"):
+        run_stages(cfg)
+    assert sum(line.startswith("[data] running") for line in lines) == 2
+    assert json.loads((stage_dir(cfg, "data") / "stats.json").read_text())["rows_read"] == 5
+
+
 def test_without_validation_rows_the_last_head_is_kept_and_training_runs_its_course(tmp_path):
     """data.validation_fraction=0 (the README's way to hold out none): every validation scored 1.0, so the first
     head stayed "best" for good and early stopping ended the run after train.patience validations; now the last head

@@ -336,8 +336,9 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
     if dist.is_main():
         migrate_markers(cfg)
         if cfg.force and force_record(cfg) is None:   # this command's first attempt
-            write_atomic(Path(cfg.run_dir) / FORCE_RECORD, json.dumps({"command": _command(cfg),
-                                                                       "attempt": uuid.uuid4().hex[:12], "done": {}}))
+            write_atomic(Path(cfg.run_dir) / FORCE_RECORD, json.dumps({
+                "command": _command(cfg), "attempt": uuid.uuid4().hex[:12], "done": {},
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S")}))
     if why := dist.on_main(lambda: orphaned_checkpoints(cfg)):
         raise UserError(why)
     results = {}
@@ -350,8 +351,9 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
         fp, marker = dist.on_main(partial(_up_to_date, cfg, name))
         if marker and name in cfg.force:
             log(f"[{name}] forced, and finished at {marker['finished_at']} by an earlier attempt of this very command "
-                f"(the same stages and force): skipped, not redone. It is forced again once this command has ended "
-                f"(or delete {Path(cfg.run_dir) / FORCE_RECORD})")
+                f"(the same stages and force, first run at {dist.on_main(lambda: force_record(cfg) or {}).get('started')}): "
+                f"skipped, not redone. It is forced again once this command has ended (or delete "
+                f"{Path(cfg.run_dir) / FORCE_RECORD})")
             results[name] = marker
             continue
         if marker:
@@ -436,6 +438,8 @@ def forced(cfg: DictConfig, name: str, marker: dict | None) -> bool:
     if name not in cfg.force:
         return False
     record = force_record(cfg)
+    if name == "data" and marker and marker.get("files") != input_files(cfg):   # a file edited since (what force=[data]
+        return True                                                                # is for): read again
     return not (record and marker and record["done"].get(name) == _stamp(marker))
 
 
