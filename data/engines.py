@@ -48,6 +48,7 @@ from data.regenerate import (
     add_answer,
     answer_room,
     assistant_message,
+    cache_file,
     cache_line,
     cache_settings,
     check_snapshot,
@@ -179,7 +180,8 @@ def regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
         def hold() -> None:
             held.enter_context(cache_lock(path))
             fold_parts(path)  # whatever runs now (any backend, rank count or one process) resumes an interrupted shard
-            check_snapshot(cfg, path, cache_settings(cfg.data.regen, cfg.data.system_prompt, cfg.data.get("thinking")))
+            named = (cfg.data.regen, cfg.data.system_prompt, cfg.data.get("thinking"))
+            check_snapshot(cfg, path, cache_settings(*named), lambda fp: cache_file(path.parent, fp, *named))
 
         if shares_work(cfg, "data"):   # rank 0 holds it; its refusal reaches every rank (they waited in a barrier for
             dist.on_main(hold)         # dist_timeout_minutes where no launcher stops them: other nodes)

@@ -234,35 +234,44 @@ def cache_settings(rcfg, system_prompt: str | None, thinking: bool | None = None
     return settings
 
 
-def check_snapshot(cfg, path: Path, settings: str) -> None:
+def check_snapshot(cfg, path: Path, settings: str, name_for: Callable[[str], Path]) -> None:
     """(Rank 0) A cache of a Hub target's answers or prompts (``path``) is named by the snapshot's commit: a repo
     that got any commit since (a README edit) names a new, empty cache, and a run of days would start over without a
-    word. The snapshot and the cache's ``settings`` (everything but the target) are noted beside it
-    (``<stem>.target.json``); where ``path`` holds nothing yet and a cache of the same repo and settings at another
-    commit does, the run is refused naming ``model.revision=<that commit>`` (continue it) and ``model.revision=<this
-    one>`` (start over). A pinned ``model.revision`` is not refused; a local folder has no commit."""
+    word. Where ``path`` and its part files hold nothing yet and a cache of the same repo and settings at another
+    commit does, the run is refused, naming how to continue that one (``model.revision``, or ``model.path`` at its
+    snapshot) and how to start over (``model.revision=<this commit>``, which is never refused). The other commits
+    are found among the snapshots in the Hugging Face cache (``name_for``: a target fingerprint's cache path) and in
+    the notes every cache gets (``<stem>.target.json``: its snapshot and ``settings``, everything but the target)."""
+    from train.target import hub_snapshots
+
     snapshot = target_snapshot(cfg)
     if snapshot is None:
         return
     note = path.with_name(f"{path.stem}.target.json")
     if not note.exists():
         write_atomic(note, json.dumps({"snapshot": snapshot, "settings": settings}))
-    if cfg.model.get("revision") or any(f.stat().st_size for f in path.parent.glob(glob.escape(path.stem) + "*.jsonl")):
-        return   # (pinned, or this cache or its part files hold work: it goes on)
+
+    def size(cache: Path) -> int:   # the cache and its part files (an interrupted run's ranks)
+        return sum(f.stat().st_size for f in cache.parent.glob(glob.escape(cache.stem) + "*.jsonl"))
+
+    if cfg.model.get("revision") or size(path):
+        return   # (pinned, or this cache holds work: it goes on)
     repo, _, commit = snapshot.rpartition("@")
+    others = {c: (name_for(fp), folder) for c, (fp, folder) in hub_snapshots(cfg).items() if c != commit}
     for other in sorted(path.parent.glob("*.target.json")):
-        try:
+        with suppress(OSError, ValueError):
             made = json.loads(other.read_text())
-        except (OSError, ValueError):
-            continue
-        cache = other.with_name(other.name.removesuffix(".target.json") + ".jsonl")
-        if (made.get("settings") == settings and made.get("snapshot", "").rpartition("@")[0] == repo
-                and made["snapshot"] != snapshot and cache.exists() and cache.stat().st_size):
-            old = made["snapshot"].rpartition("@")[2]
-            raise UserError(f"{repo} has moved on to commit {commit} since {cache} ({cache.stat().st_size / 2**20:.1f} "
-                            f"MiB) was made with these settings at commit {old}: this run would start it over. Add "
-                            f"model.revision={old} to continue it with the weights it was made with, or "
-                            f"model.revision={commit} to start over with the new commit")
+            old_repo, _, old = made.get("snapshot", "").rpartition("@")
+            if made.get("settings") == settings and old_repo == repo and old != commit:
+                others.setdefault(old, (other.with_name(other.name.removesuffix(".target.json") + ".jsonl"), None))
+    for old, (cache, folder) in sorted(others.items()):
+        if held := size(cache):
+            keep = (f"model.path={folder}" if cfg.model.get("path") and folder else
+                    "model.path at that snapshot" if cfg.model.get("path") else f"model.revision={old}")
+            raise UserError(f"{repo} has moved on to commit {commit} since {cache} ({held / 2**20:.1f} MiB with its "
+                            f"parts) was made with these settings at commit {old}: this run would start it over. Set "
+                            f"{keep} to continue it with the weights it was made with, or add model.revision={commit} "
+                            "to start over with the new commit")
 
 
 def found_cache(paths: list[Path]) -> Path:

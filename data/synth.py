@@ -517,7 +517,8 @@ class Synthesizer:
                             "one its own seed (e.g. seed: 1), or make them one source")
         self.sources[path] = name
         path.parent.mkdir(parents=True, exist_ok=True)
-        check = functools.partial(check_snapshot, self.cfg, path, json.dumps(synth_settings(s), sort_keys=True))
+        check = functools.partial(check_snapshot, self.cfg, path, json.dumps(synth_settings(s), sort_keys=True),
+                                  lambda fp: cache_file(directory, fp, s))
         if shares_work(self.cfg, "data"):   # (every rank reads the sources: rank 0's refusal on all)
             dist.on_main(check)
         elif dist.is_main():

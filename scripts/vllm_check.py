@@ -164,10 +164,10 @@ def find_exports(run_dir: Path, cfg: DictConfig, k: int) -> list[Export]:
     from train.stages import config_changes, current_marker, require, stage_dir
 
     marker = require(cfg, "export")
-    if current_marker(cfg, "export") is None:   # its folders hold an earlier head (or other settings): the report
-        why = config_changes(cfg, "export", marker) or "the head trained since"     # would credit the head of now
+    if "made_of" not in marker["outputs"] and current_marker(cfg, "export") is None:   # an export made before its
+        why = config_changes(cfg, "export", marker) or "the head trained since"   # marker said what it holds: the report
         raise SystemExit(f"{run_dir}: the export folders are not of this run as it is now ({why}): export it again "
-                         "first (train/run.py stages=[export] with the run's overrides), then check")
+                         "first (train/run.py stages=[export] with the run's overrides), then check")   # would credit
     exports = []
     for fmt in METHODS:
         folder = (stage_dir(cfg, "export") / fmt).resolve()
@@ -406,8 +406,8 @@ def check(args) -> int:
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from data.formats import write_atomic
-    from train.export import export_settings
-    from train.stages import upstream_ids
+    from train.export import made_of
+    from train.stages import read_marker
     from train.target import target_path
 
     if not args.vllm_python.exists():
@@ -425,8 +425,9 @@ def check(args) -> int:
         all_reports.update(reports(check_target(target_dir, members, args), args))
     configs = {run_dir: cfg for members in groups.values() for run_dir, cfg in members}
     for run_dir, report in all_reports.items():
-        report["train_output"] = upstream_ids(configs[run_dir], "export")["train"]  # the head checked, and its files'
-        report["export"] = export_settings(configs[run_dir])                       # settings (export cards)
+        # what the files checked are made of (the head, the export settings): the export cards keep the figures for
+        # those files only (an export made before its marker said so: of the run as it is, find_exports checked)
+        report.update(read_marker(configs[run_dir], "export")["outputs"].get("made_of") or made_of(configs[run_dir]))
         write_atomic(run_dir / "export" / "vllm_check.json", json.dumps(report, indent=2))   # read by export, publish
     print(table(all_reports))
     print(f"tau: {DEFINITIONS['tau']}.\nStop: {DEFINITIONS['stop']}. n-gram: {DEFINITIONS['ngram_tau']}.\n"

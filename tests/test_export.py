@@ -24,13 +24,13 @@ from train.export import (
     card_results,
     check_tensors,
     expected_tensors,
-    export_settings,
     full_vocab_rows,
     import_export,
+    made_of,
     serve_commands,
 )
 from train.publish import PublishError
-from train.stages import MARKER, fingerprint, flat_config, run_stages, stage_dir
+from train.stages import MARKER, fingerprint, flat_config, read_marker, run_stages, stage_dir
 from train.target import load_target
 
 
@@ -376,15 +376,17 @@ def export_with_report(cfg_factory, *overrides, vllm_check: dict | None = None):
     (ev / MARKER).write_text(json.dumps({"stage": "eval", "fingerprint": fingerprint(cfg, "eval")}))  # of this head
     if vllm_check is not None:
         stage_dir(cfg, "export").mkdir(parents=True, exist_ok=True)
-        (stage_dir(cfg, "export") / "vllm_check.json").write_text(json.dumps({"train_output": "test",
-                                                                              "export": export_settings(cfg), **vllm_check}))
+        (stage_dir(cfg, "export") / "vllm_check.json").write_text(json.dumps({**made_of(cfg), **vllm_check}))
     run_stages(cfg)
     return cfg
 
 
-def test_cards_leave_out_measurements_of_an_earlier_head(cfg_factory):
+def test_cards_leave_out_measurements_of_an_earlier_head(cfg_factory, caplog):
     """After a retraining, the eval report and the vLLM check of the head before are not this head's figures:
-    the cards leave them out (they carried them while they were current)."""
+    the cards leave them out (they carried them while they were current); so does a re-export in another dtype.
+    scripts/vllm_check.py reports what the folders it ran are made of, from the export's marker (it stamped the head
+    of the run's config, whatever the folders held), and refuses an export made before the marker said so unless it
+    is of the run as it is now; a report made before it said what it ran is left out, saying so."""
     check = {"engine": "vllm 0.32.0", "dtype": "float32", "ok": True, "ngram": {"tau": 2.49, "tokens_per_pass": 1.26},
              "exports": {"vllm": {"folder": "/x/export/vllm", "k": 3, "vllm": {"tau": 2.31, "tokens_per_pass": 2.32}}}}
     cfg = export_with_report(cfg_factory, vllm_check=check)
@@ -395,16 +397,26 @@ def test_cards_leave_out_measurements_of_an_earlier_head(cfg_factory):
     exported_again = OmegaConf.merge(cfg, {"export": {"dtype": "float32"}})   # other files than vLLM ran
     run_stages(exported_again)
     assert "tau in vllm" not in (stage_dir(cfg, "export") / "vllm" / "README.md").read_text()
-    vllm_check = load_script("vllm_check")   # a check now would credit this export's head: it runs on current ones
+    made = read_marker(cfg, "export")["outputs"]["made_of"]   # what a check of these folders now reports
+    assert made == made_of(exported_again) != made_of(cfg) and made["export"]["dtype"] == "float32"
+    vllm_check = load_script("vllm_check")
+    assert [e.fmt for e in vllm_check.find_exports(Path(cfg.run_dir), cfg, 3)] == ["vllm", "speculators"]
+    marker = read_marker(cfg, "export")   # an export made before its marker said what it holds: refused unless current
+    del marker["outputs"]["made_of"]
+    (stage_dir(cfg, "export") / MARKER).write_text(json.dumps(marker))
     with pytest.raises(SystemExit, match=r"not of this run as it is now \(export.dtype='float32' \(this command: "
                                          r"'bfloat16'\)\): export it again"):
         vllm_check.find_exports(Path(cfg.run_dir), cfg, 3)
     assert [e.fmt for e in vllm_check.find_exports(Path(cfg.run_dir), exported_again, 3)] == ["vllm", "speculators"]
     run_stages(cfg)
+    legacy = {**check, "train_output": made["train_output"]}   # no "export": made before it
+    (stage_dir(cfg, "export") / "vllm_check.json").write_text(json.dumps(legacy))
+    with caplog.at_level("INFO", logger="specheads"):
+        run_stages(OmegaConf.merge(cfg, {"force": ["export"]}))
+    assert any("was made before the check recorded which export it ran" in r.message for r in caplog.records)
+    assert "tau in vllm" not in (stage_dir(cfg, "export") / "vllm" / "README.md").read_text()
     (stage_dir(cfg, "train") / MARKER).write_text(json.dumps({"stage": "train", "fingerprint": fingerprint(cfg, "train"),
                                                               "output_id": "retrained"}))
-    with pytest.raises(SystemExit, match=r"not of this run as it is now \(the head trained since\)"):
-        vllm_check.find_exports(Path(cfg.run_dir), cfg, 3)
     run_stages(cfg)  # the train output changed: export reruns
     card = (stage_dir(cfg, "export") / "vllm" / "README.md").read_text()
     assert "No evaluation report of this head was found" in card and "eagle3-tree" not in card
@@ -617,7 +629,7 @@ def test_publish_fills_the_placeholder_repo_in_the_uploaded_card(cfg_factory):
     folder = stage_dir(cfg, "export") / "vllm"
     assert "<your-hf-user>/tiny-llama-eagle3-vllm" in (folder / "README.md").read_text()
     assert "tau in vllm" not in (folder / "README.md").read_text()
-    check = {"train_output": "test", "export": export_settings(cfg), "engine": "vllm 0.32.0", "dtype": "float32",
+    check = {**made_of(cfg), "engine": "vllm 0.32.0", "dtype": "float32",
              "ok": True, "ngram": {"tau": 2.49, "tokens_per_pass": 1.26},
              "exports": {"vllm": {"folder": "/x/export/vllm", "k": 3, "vllm": {"tau": 2.31, "tokens_per_pass": 2.32}}}}
     (stage_dir(cfg, "export") / "vllm_check.json").write_text(json.dumps(check))   # scripts/vllm_check.py, later

@@ -277,8 +277,11 @@ def test_online_training_sees_what_the_extract_stage_stores(twin, tmp_path):
 
 def test_a_cache_of_a_hub_target_that_moved_on_is_not_started_over_without_a_word(tmp_path, monkeypatch):
     """Any new commit of a Hub repo (a README edit) names a new regeneration cache: a rerun after days of answers
-    started over, saying only "0 cached". Refused, naming the commit to pin (continue) and the new one (start over);
-    a pinned revision, other settings or a cache already under way go on."""
+    started over, saying only "0 cached". Refused, naming how to continue (the old snapshot) and how to start over
+    (model.revision=<new>); the old cache found through the Hugging Face cache's other snapshots (a cache made before
+    the notes) or its note (that snapshot pruned). Other settings, a cache under way or a pinned revision go on."""
+    import shutil
+
     from data.regenerate import cache_file, cache_settings, check_snapshot
     from train.errors import UserError
     from train.target import target_fingerprint
@@ -288,19 +291,29 @@ def test_a_cache_of_a_hub_target_that_moved_on_is_not_started_over_without_a_wor
     rcfg, regen = made.data.regen, tmp_path / "regen"
     regen.mkdir()
     settings = cache_settings(rcfg, None)
-    old, new = (cache_file(regen, target_fingerprint(c), rcfg, None) for c in (made, now))
-    check_snapshot(made, old, settings)   # the first run notes its commit beside its cache ...
-    old.write_text('{"key": "a"}\n')     # ... and answers
-    with pytest.raises(UserError, match=r"org/tiny has moved on to commit 4567ef01 since .*\.jsonl \(0\.0 MiB\) was "
-                                        r"made with these settings at commit 0123abcd: this run would start it over\. "
-                                        r"Add model\.revision=0123abcd to continue it .* or model\.revision=4567ef01"):
-        check_snapshot(now, new, settings)
-    check_snapshot(now, new, cache_settings(OmegaConf.merge(rcfg, {"seed": 5}), None))   # other answers: another cache
+
+    def name_for(fp: str) -> Path:
+        return cache_file(regen, fp, rcfg, None)
+
+    old, new = (name_for(target_fingerprint(c)) for c in (made, now))
+    old.with_name(f"{old.stem}.rank3of8.jsonl").write_text('{"key": "a"}\n')   # answers, in an interrupted rank's part
+    moved_on = (r"org/tiny has moved on to commit 4567ef01 since .*\.jsonl \(0\.0 MiB with its parts\) was made with "
+                r"these settings at commit 0123abcd: this run would start it over\. Set {} to continue it .*, or add "
+                r"model\.revision=4567ef01 to start over")
+    with pytest.raises(UserError, match=moved_on.format(f"model\\.path={first}")):
+        check_snapshot(now, new, settings, name_for)
+    check_snapshot(made, old, settings, name_for)   # the first commit's run goes on, and notes its snapshot
+    shutil.rmtree(first)   # the Hugging Face cache pruned: the note still names the old cache
+    with pytest.raises(UserError, match=moved_on.format("model\\.path at that snapshot")):
+        check_snapshot(now, new, settings, name_for)
+    other = OmegaConf.merge(rcfg, {"seed": 5})   # other answers: another cache, nothing of it made before
+    check_snapshot(now, cache_file(regen, target_fingerprint(now), other, None), cache_settings(other, None),
+                   lambda fp: cache_file(regen, fp, other, None))
     new.with_name(f"{new.stem}.rank1of8.jsonl").write_text('{"key": "b"}\n')   # this commit's own work under way
-    check_snapshot(now, new, settings)
+    check_snapshot(now, new, settings, name_for)
     new.with_name(f"{new.stem}.rank1of8.jsonl").unlink()
-    now.model.revision = "4567ef01"   # pinned to the new commit: started over, as asked
-    check_snapshot(now, new, settings)
+    now.model.revision = "4567ef01"   # consent to the new commit: started over, as asked
+    check_snapshot(now, new, settings, name_for)
 
 
 def test_a_quantised_checkpoints_layer_is_refused_not_read_without_its_scales(tmp_path):

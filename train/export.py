@@ -596,19 +596,24 @@ def measurements(cfg: DictConfig) -> tuple[dict | None, dict | None]:
         except json.JSONDecodeError:
             log(f"[export] {check_path} does not parse (an interrupted check?): left out of the model cards; rerun "
                 "scripts/vllm_check.py")
-    if check and (check.get("train_output"), check.get("export")) != (upstream_ids(cfg, "export")["train"],
-                                                                       export_settings(cfg)):
+    if check and "export" not in check:
+        log(f"[export] {check_path} was made before the check recorded which export it ran: left out of the model "
+            "cards; rerun scripts/vllm_check.py, then force=[export]")
+        check = None
+    if check and {k: check.get(k) for k in ("train_output", "export")} != made_of(cfg):
         log(f"[export] {check_path} checked files of an earlier head or other export settings: left out of the "
             "model cards; rerun scripts/vllm_check.py, then force=[export]")
         check = None
     return report, check
 
 
-def export_settings(cfg: DictConfig) -> dict:
-    """What of the export config the exported files depend on, beside the head (scripts/vllm_check.py records it
-    with the head it checked: a re-export in another dtype, k or format is not the files vLLM ran)."""
-    return {"dtype": str(cfg.export.dtype), "num_speculative_tokens": int(cfg.export.num_speculative_tokens),
-            "format_version": FORMAT_VERSION["export"], "target": target_name(cfg)}
+def made_of(cfg: DictConfig) -> dict:
+    """What the export files of this config are made of: the head (the train stage's output id) and the export
+    settings they depend on (a re-export in another dtype, k, format or for another target's name writes other
+    files). The export stage's marker keeps it; scripts/vllm_check.py reports it with its figures."""
+    return {"train_output": upstream_ids(cfg, "export")["train"],
+            "export": {"dtype": str(cfg.export.dtype), "num_speculative_tokens": int(cfg.export.num_speculative_tokens),
+                       "format_version": FORMAT_VERSION["export"], "target": target_name(cfg)}}
 
 
 def train_summary(cfg: DictConfig) -> dict | None:
@@ -674,4 +679,4 @@ def run(cfg: DictConfig) -> dict:
         if fmt == "medusa" and (word := vllm_method_word(str(final.resolve()))):
             log(f"[export] warning: {final} contains {word!r}: vLLM loads a draft from such a path as another method "
                 "than Medusa (publish it to a repo without the word, or move the run)")
-    return {"formats": written}
+    return {"formats": written, "made_of": made_of(cfg)}

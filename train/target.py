@@ -473,10 +473,9 @@ def target_fingerprint(cfg: DictConfig, legacy: bool = False) -> str:
     target's own dequantised folder keeps it (its folder is named by the GGUF file's hash)."""
     config_file, snapshot = _config_file(cfg)
     folder = config_file.parent
-    h = hashlib.sha256()
     if snapshot:
-        h.update(f"{folder.parent.parent.name}@{folder.name}".encode() + config_file.read_bytes())
-        return h.hexdigest()[:16]
+        return _snapshot_fingerprint(config_file)
+    h = hashlib.sha256()
     for f in sorted(folder.iterdir()):
         if f.suffix in (".json", ".jinja") and f.name != "generation_config.json":
             h.update(f.name.encode() + f.read_bytes())
@@ -484,6 +483,22 @@ def target_fingerprint(cfg: DictConfig, legacy: bool = False) -> str:
             samples = 0 if legacy or cfg.model.source != "hf" else 64
             h.update(f"{f.name}:{_sha_file(f, 1 << 20, samples)}".encode())
     return h.hexdigest()[:16]
+
+
+def _snapshot_fingerprint(config_file: Path) -> str:
+    """A Hub snapshot's identity: its repository and commit (the names of its folders) and its config."""
+    folder = config_file.parent
+    return hashlib.sha256(f"{folder.parent.parent.name}@{folder.name}".encode() + config_file.read_bytes()).hexdigest()[:16]
+
+
+def hub_snapshots(cfg: DictConfig) -> dict[str, tuple[str, Path]]:
+    """Commit -> (:func:`target_fingerprint`, folder) of every snapshot of a Hub target's repository in the local
+    Hugging Face cache that holds its config (this one's and the commits fetched before); empty for a local folder."""
+    config_file, snapshot = _config_file(cfg)
+    if not snapshot:
+        return {}
+    return {f.parent.name: (_snapshot_fingerprint(f), f.parent)
+            for f in sorted(config_file.parent.parent.glob("*/config.json"))}
 
 
 def target_fingerprints(cfg: DictConfig) -> list[str]:
