@@ -54,7 +54,7 @@ from eval.treesize import acceptance_curve, choose_total_tokens, draft_times, me
 from heads.io import head_type, load_head
 from train import dist
 from train.log import log, progress
-from train.stages import fingerprint, require, stage_dir, upstream_ids
+from train.stages import fingerprint, force_record, require, stage_dir, upstream_ids
 from train.target import (
     cpu_has_bf16,
     last_logits_only,
@@ -400,13 +400,16 @@ def record_key(record: dict) -> tuple:
 class Records:
     """``records.jsonl`` written as the evaluation goes: each prompt's records (all its methods) appended
     together, flushed and fsync'ed. ``done`` holds the records kept from an earlier run with the same
-    fingerprint (``progress.json``): complete prompts only, a torn or partial tail is dropped."""
+    fingerprint (``progress.json``): complete prompts only, a torn or partial tail is dropped. ``fresh``
+    (``force=[eval]``) keeps none, but those of its own ``attempt`` (the forcing command repeated after a crash)."""
 
-    def __init__(self, out: Path, fp: str, methods: list[str], fresh: bool):
+    def __init__(self, out: Path, fp: str, methods: list[str], fresh: bool, attempt: str | None = None):
         self.path, self.meta = out / "records.jsonl", out / "progress.json"
         try:
-            meta = json.loads(self.meta.read_text()) if self.meta.exists() and not fresh else {}
+            meta = json.loads(self.meta.read_text()) if self.meta.exists() else {}
         except ValueError:   # torn (written atomically since; a full disk): nothing kept
+            meta = {}
+        if fresh and (attempt is None or meta.get("attempt") != attempt):
             meta = {}
         self.done: dict[tuple, dict] = {}
         self.tree = None
@@ -420,12 +423,12 @@ class Records:
                 if {r["method"] for r in group} == set(methods):
                     self.done.update((record_key(r), r) for r in group)
         rewrite_jsonl(self.path, self.done.values())  # only the complete prompts stay in the file
-        write_atomic(self.meta, json.dumps({"fingerprint": fp, "tree": self.tree}))
-        self.fp = fp
+        self.fp, self.attempt = fp, attempt
+        self.keep_tree(self.tree)
 
-    def keep_tree(self, tree: dict) -> None:
+    def keep_tree(self, tree: dict | None) -> None:
         self.tree = tree
-        write_atomic(self.meta, json.dumps({"fingerprint": self.fp, "tree": tree}))
+        write_atomic(self.meta, json.dumps({"fingerprint": self.fp, "tree": tree, "attempt": self.attempt}))
 
     def add(self, records: list[dict]) -> None:
         with open(self.path, "a") as f:
@@ -570,7 +573,8 @@ def run(cfg: DictConfig) -> dict:
     identity = target_identity(target_fingerprint(cfg), decoder.eos, target)
     # Records timed on another machine or by another decoder version are not mixed with this run's.
     # (eval.min_speedup changes the recommendation only: the decodes are kept)
-    store = Records(out, digest([fingerprint(cfg, "eval", ignore=("eval.min_speedup",)), identity]), methods, fresh)
+    store = Records(out, digest([fingerprint(cfg, "eval", ignore=("eval.min_speedup",)), identity]), methods, fresh,
+                    (force_record(cfg) or {}).get("attempt"))
     baselines = (Baselines(shared_dir, {**identity, **baseline_settings(cfg)}, fresh) if cfg.eval.share_baselines
                  else None)
     if store.tree is not None:

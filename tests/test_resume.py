@@ -800,10 +800,29 @@ def test_eval_resumes_from_its_records(tmp_path, monkeypatch, request):
     assert len(calls) >= 8 * 2 and len(sized) == 2  # (+ the tree sizing's calibration decodes)
     assert len((out / "records.jsonl").read_text().splitlines()) == 16
 
-    # force=[eval] starts over.
+    # force=[eval] starts over; repeated after a crash in it, it keeps what its first attempt decoded and sized.
+    forced = make_cfg([*overrides, "force=[eval]"], tmp_path)
     calls.clear()
-    run_stages(make_cfg([*overrides, "force=[eval]"], tmp_path))
+    run_stages(forced)
     assert len(calls) >= 8 * 2 and len(sized) == 3
+    calls.clear()
+
+    def crash_at_the_fifth(*a, **k):
+        if len(calls) == 4:
+            raise RuntimeError("crash")
+        calls.append(a[3].id)
+        return real_converse(*a, **k)
+
+    monkeypatch.setattr(eval.stage, "converse", crash_at_the_fifth)
+    with pytest.raises(RuntimeError, match="crash"):
+        run_stages(forced)
+    kept = (out / "records.jsonl").read_text().splitlines()   # the prompts decoded whole before the crash
+    monkeypatch.setattr(eval.stage, "converse", lambda *a, **k: (calls.append(a[3].id), real_converse(*a, **k))[1])
+    calls.clear()
+    run_stages(forced)
+    again = (out / "records.jsonl").read_text().splitlines()
+    assert kept and again[:len(kept)] == kept and len(again) == 16 and len(sized) == 4   # kept as decoded, not redone
+    assert len(calls) <= 8 * 2 - len(kept) // 2
 
 
 EVAL = ["eval.datasets=[builtin]", "eval.limit=4", "eval.warmup=0", "eval.max_new_tokens=24",
