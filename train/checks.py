@@ -192,7 +192,7 @@ def problems(cfg: DictConfig) -> list[str]:
         given = [k for k in ("type", "path", "hf") if source.get(k) is not None]
         if len(given) != 1:
             out.append(f"data.sources[{i}] needs exactly one of type (builtin|humaneval|synth), path or hf, got {given}")
-    out += target_problems(cfg) + device_problems(cfg)
+    out += target_problems(cfg) + device_problems(cfg) + autocast_problems(cfg)
     if (OmegaConf.select(cfg, "extract.source") == "regen" and OmegaConf.select(cfg, "data.regen.backend") != "hf"
             and OmegaConf.select(cfg, "data.regenerate")):
         out.append(f"extract.source=regen keeps the hidden states of the hf backend's own passes; "
@@ -239,6 +239,25 @@ def device_problems(cfg: DictConfig) -> list[str]:
            f"this process sees {count} GPU(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
     return [f"device={device}: {why}; install torch's CUDA build (TORCH_SPEC=\"torch --index-url "
             "https://download.pytorch.org/whl/cu128\" bash scripts/setup_env.sh) or use device=auto or cpu"]
+
+
+def autocast_problems(cfg: DictConfig) -> list[str]:
+    """``train.autocast=float16`` over bfloat16 weights (``dtype`` bfloat16, a GPU's ``auto``): DeepSpeed's bf16 path
+    scales no loss, and the head's float16 gradients would underflow (float16 weights have DeepSpeed's loss scaling,
+    float32 ones float32 gradients)."""
+    if OmegaConf.select(cfg, "train.autocast") != "float16":
+        return []
+    from train.target import resolve_device, resolve_dtype
+
+    try:
+        dtype = resolve_dtype(str(cfg.dtype), resolve_device(str(cfg.device)))
+    except (RuntimeError, AttributeError):   # (a malformed device or dtype: named by their own checks)
+        return []
+    if str(dtype) != "torch.bfloat16":
+        return []
+    return [f"train.autocast=float16 with weights in bfloat16 (dtype={cfg.dtype}): DeepSpeed's bf16 path scales no "
+            "loss, so the head's float16 gradients would underflow and it would train worse without a word; use "
+            "train.autocast=bfloat16 (or null), or dtype=float16 (loss-scaled) or float32"]
 
 
 def preflight(cfg: DictConfig) -> None:

@@ -430,10 +430,6 @@ def setup_process(cfg: DictConfig) -> tuple[torch.device, torch.dtype]:
     dist.on_main(lambda: check_data(cfg, load_tokenizer(cfg)))
     device = dist.bind_device(resolve_device(cfg.device))
     dtype = resolve_dtype(cfg.dtype, device)
-    if tcfg.autocast == "float16" and dtype != torch.float32:
-        raise UserError(f"train.autocast=float16 with weights in {dtype} (DeepSpeed's {dtype} path, no loss "
-                        "scaling): the head's gradients would underflow in float16 and it would train worse without a "
-                        "word; use train.autocast=bfloat16 (or null)")
     dist.init(device, single=True, timeout_minutes=cfg.dist_timeout_minutes)
     check_train_memory(cfg, device)  # before anything is loaded: refuses when the estimate exceeds free memory
     if tcfg.num_threads:
