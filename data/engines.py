@@ -496,7 +496,8 @@ class OpenAIClient:
                 served = [m for m in models if m.get("id") == self.model]
                 if models and not served and len(self.bases) > 1:
                     raise RegenError(f"{base} serves {[m.get('id') for m in models]}, not {self.model!r}: every server "
-                                     "of data.regen.url must serve the target (or set data.regen.model)")
+                                     "of data.regen.url must serve the target under one name (start each with the "
+                                     "same --served-model-name, and set data.regen.model to it)")
                 served = served or models[:1]
                 lens.append(int(served[0].get("max_model_len") or 0) if served else 0)
             self.max_model_len = min((n for n in lens if n), default=0)

@@ -368,8 +368,10 @@ class _Checkpoint:
                               "language model?). Point model.path at a text-only checkpoint of the model")
         return found[0]
 
-    def read(self, names: list[str], dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
-        """Stored name -> tensor for the model's tensors ``names`` (each stored tensor read once)."""
+    def read(self, names: list[str], dtype: torch.dtype, device: torch.device | str,
+             fix: str = "") -> dict[str, torch.Tensor]:
+        """Stored name -> tensor for the model's tensors ``names`` (each stored tensor read once); ``fix``: what else
+        the refusal of a quantised tensor names."""
         out: dict[str, torch.Tensor] = {}
         for stored in map(self.key, names):
             if stored not in out:
@@ -378,8 +380,7 @@ class _Checkpoint:
                         raise TargetError(
                             f"the target's tensor {stored} is stored as {kind} in {self.path!r}, a quantised checkpoint "
                             "(FP8, int): read as it is, without its scales, its values would be wrong. Use the model's "
-                            "bf16 checkpoint (model.hub_id / model.path); or keep this one and start the draft layer "
-                            "from random weights (head.layer_init=null)")
+                            f"bf16 checkpoint (model.hub_id / model.path){fix}")
                     out[stored] = f.get_tensor(stored).to(device, dtype)
         return out
 
@@ -433,7 +434,8 @@ def load_layer_weights(cfg: DictConfig, layer: int, dtype: torch.dtype = torch.f
                          f"(valid: {-len(layers)} .. {len(layers) - 1})")
     prefix = ckpt.name(layers[layer]) + "."
     names = [prefix + name for name, _ in layers[layer].named_parameters()]
-    read = ckpt.read(names, dtype, device)
+    read = ckpt.read(names, dtype, device, "; or keep this one and start the draft layer from random weights "
+                                            "(head.layer_init=null)")
     return {name[len(prefix):]: read[ckpt.key(name)] for name in names}
 
 
