@@ -266,9 +266,11 @@ def test_oracle_paths_and_max_new_tokens(tiny: Setup):
 
 
 def test_eos_inside_accepted_path(tiny: Setup):
-    ids, reference, depth = tiny.prompts[1], tiny.reference[1], 4
-    # an "EOS" id that first occurs in the middle of a cycle (cycles commit tokens 1-5, 6-10, ...)
-    j = next(j for j in range(2, len(reference) - depth) if reference[j] not in reference[:j] and j % 5)
+    depth = 4
+    # an "EOS" id that first occurs in the middle of a cycle (cycles commit tokens 1-5, 6-10, ...), in the first prompt
+    # whose answer has one (a random twin's greedy answer may repeat one token)
+    ids, reference, j = next((ids, ref, j) for ids, ref in zip(tiny.prompts, tiny.reference, strict=True)
+                             for j in range(2, len(ref) - depth) if ref[j] not in ref[:j] and j % 5)
     decoder = SpecDecoder(tiny.target, [reference[j]])
     out = decoder.generate(ids, OracleDrafter(reference, len(ids), depth, tiny.target.config.vocab_size), NEW_TOKENS)
     assert out.tokens == reference[: j + 1]

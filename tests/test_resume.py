@@ -610,7 +610,7 @@ def test_a_best_head_saved_after_the_last_checkpoint_stays_the_best(prepared, tm
     for other in ("0" * 32, None):
         crashed_after_step_2_with(6, 9.0, run=other)
         run_stages(make_cfg(again))
-        assert json.loads((out / "summary.json").read_text())["best"]["sim_tau"] < 9.0  # replaced by this run's
+        assert json.loads((out / "summary.json").read_text())["best"]["sim_tau"] < 9.0  # this run's, at the end at the latest
     assert sum("holds a better head" in line for line in lines) == 1  # not the other run's, nor the id-less one
 
 

@@ -708,13 +708,21 @@ class Trainer:
             state.update(best=newer["sim_tau"], best_step=newer["step"], bad_evals=0)
             log(f"[train] head/ holds a better head saved at step {newer['step']}, after this checkpoint was (sim_tau "
                 f"{newer['sim_tau']:.3f}): kept unless beaten")
+        why = None
         if any(k in changed for k in ("train.val_tokens", "train.val_steps")):
             # other rows or another number of draft steps: a score on another scale. Against the old best, a
             # lower val_steps would never improve (head/ kept as it was, early stop after patience validations)
+            why = "validation settings changed"
+        elif (state.get("best_step", -1) >= 0 and client["state"].get("run")
+              and (newer is None or newer.get("run") != state["run"])):
+            # this run's best head is gone (head/ deleted, or another run's saved over it): unless a validation beat
+            # the checkpoint's score, that head would be the one exported (a checkpoint made before run ids: kept)
+            why = "head/ does not hold this run's best head (deleted, or another run's)"
+        if why:
             state.update(best=-1.0, bad_evals=0, best_step=-1)
             self.rescore = True
-            log("[train] validation settings changed: the best score starts over (head/ is replaced at the next "
-                "validation, at the end at the latest)")
+            log(f"[train] {why}: the best score starts over (head/ is replaced at the next validation, at the end at "
+                "the latest)")
         if any(k in changed for k in ("train.max_minutes", "train.max_steps", "train.epochs")):
             # the ratio reached is the restored scheduler's (whatever warmup and plan the run had)
             reached = self.scheduler.get_last_lr()[0] / self.scheduler.base_lrs[0]
