@@ -671,7 +671,7 @@ def test_a_longer_time_budget_continues_the_run(prepared, tmp_path, monkeypatch)
     assert metrics[first]["lr"] <= lr_before[-1] * 1.0001  # no jump up
     assert metrics[-1]["lr"] < metrics[first]["lr"] or metrics[first]["lr"] == pytest.approx(
         metrics[-1]["lr"])
-    assert summary["wall_s"] > first_wall  # the budget counts both runs
+    assert summary["wall_s"] >= first_wall  # the budget counts both runs (rounded to 0.1 s: a short second run ties)
 
 
 def test_budget_is_for_the_whole_run():
