@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -138,6 +138,7 @@ class Export:
     fmt: str            # vllm | speculators | medusa (the export folder's name)
     folder: Path
     k: int              # draft tokens per pass (Medusa: its number of heads, which vLLM requires)
+    made_of: dict = field(default_factory=dict)   # what its folder holds (the head, the export settings): reported
 
     @property
     def name(self) -> str:
@@ -160,14 +161,19 @@ def run_config(run_dir: Path) -> DictConfig:
 
 def find_exports(run_dir: Path, cfg: DictConfig, k: int) -> list[Export]:
     """The vLLM-loadable export folders of a run whose export stage finished."""
-    from train.export import vllm_method_word
-    from train.stages import config_changes, current_marker, require, stage_dir
+    from train.export import made_of, vllm_method_word
+    from train.stages import config_changes, current_marker, require, stage_dir, upstream_ids
 
     marker = require(cfg, "export")
     if "made_of" not in marker["outputs"] and current_marker(cfg, "export") is None:   # an export made before its
         why = config_changes(cfg, "export", marker) or "the head trained since"   # marker said what it holds: the report
         raise SystemExit(f"{run_dir}: the export folders are not of this run as it is now ({why}): export it again "
                          "first (train/run.py stages=[export] with the run's overrides), then check")   # would credit
+    made = marker["outputs"].get("made_of") or made_of(cfg)   # read now: an export rewritten meanwhile is not this one
+    if made["train_output"] != upstream_ids(cfg, "export")["train"]:
+        print(f"[vllm-check] warning: {run_dir}: the export folders hold the head of an earlier training (trained "
+              "since, not exported again): the figures are that head's, and no model card of the head of now takes "
+              "them; export again (train/run.py stages=[export]) to check this one", flush=True)
     exports = []
     for fmt in METHODS:
         folder = (stage_dir(cfg, "export") / fmt).resolve()
@@ -178,7 +184,7 @@ def find_exports(run_dir: Path, cfg: DictConfig, k: int) -> list[Export]:
                 raise SystemExit(f"{folder}: vLLM takes a draft path containing {word!r} for another method than "
                                  "Medusa; move the run out of such a directory")
             k = json.loads((folder / "config.json").read_text())["num_heads"]
-        exports.append(Export(run_dir, fmt, folder, k))
+        exports.append(Export(run_dir, fmt, folder, k, made))
     if not exports:
         raise SystemExit(f"{run_dir}: no export folder vLLM loads ({', '.join(METHODS)}) under export/")
     return exports
@@ -363,7 +369,7 @@ def reports(check: TargetCheck, args) -> dict[Path, dict]:
             "engine": f"vllm {check.engine['vllm_version']}", "target": check.target, "dtype": args.dtype,
             "k": args.k, "max_tokens": args.max_tokens, "prompt_ids": check.prompts, "definitions": DEFINITIONS,
             "engine_log": str(check.log), "no_spec": {k: runs[NO_SPEC][k] for k in ("tokens_per_s", "startup_s")},
-            "ngram": ngram, "exports": {}})
+            "ngram": ngram, "exports": {}, **e.made_of})
         exported = exported_aux_layers(e)
         x = report["exports"][e.fmt] = {
             "folder": str(e.folder), "method": METHODS[e.fmt], "k": e.k, "vllm": engine_side,
@@ -406,8 +412,6 @@ def check(args) -> int:
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from data.formats import write_atomic
-    from train.export import made_of
-    from train.stages import read_marker
     from train.target import target_path
 
     if not args.vllm_python.exists():
@@ -423,11 +427,7 @@ def check(args) -> int:
     all_reports: dict[Path, dict] = {}
     for (target_dir, *_), members in groups.items():
         all_reports.update(reports(check_target(target_dir, members, args), args))
-    configs = {run_dir: cfg for members in groups.values() for run_dir, cfg in members}
-    for run_dir, report in all_reports.items():
-        # what the files checked are made of (the head, the export settings): the export cards keep the figures for
-        # those files only (an export made before its marker said so: of the run as it is, find_exports checked)
-        report.update(read_marker(configs[run_dir], "export")["outputs"].get("made_of") or made_of(configs[run_dir]))
+    for run_dir, report in all_reports.items():   # (each with what its folders are made of: the export cards' key)
         write_atomic(run_dir / "export" / "vllm_check.json", json.dumps(report, indent=2))   # read by export, publish
     print(table(all_reports))
     print(f"tau: {DEFINITIONS['tau']}.\nStop: {DEFINITIONS['stop']}. n-gram: {DEFINITIONS['ngram_tau']}.\n"

@@ -381,7 +381,7 @@ def export_with_report(cfg_factory, *overrides, vllm_check: dict | None = None):
     return cfg
 
 
-def test_cards_leave_out_measurements_of_an_earlier_head(cfg_factory, caplog):
+def test_cards_leave_out_measurements_of_an_earlier_head(cfg_factory, caplog, capsys):
     """After a retraining, the eval report and the vLLM check of the head before are not this head's figures:
     the cards leave them out (they carried them while they were current); so does a re-export in another dtype.
     scripts/vllm_check.py reports what the folders it ran are made of, from the export's marker (it stamped the head
@@ -400,7 +400,8 @@ def test_cards_leave_out_measurements_of_an_earlier_head(cfg_factory, caplog):
     made = read_marker(cfg, "export")["outputs"]["made_of"]   # what a check of these folders now reports
     assert made == made_of(exported_again) != made_of(cfg) and made["export"]["dtype"] == "float32"
     vllm_check = load_script("vllm_check")
-    assert [e.fmt for e in vllm_check.find_exports(Path(cfg.run_dir), cfg, 3)] == ["vllm", "speculators"]
+    assert [(e.fmt, e.made_of) for e in vllm_check.find_exports(Path(cfg.run_dir), cfg, 3)] == [
+        ("vllm", made), ("speculators", made)]
     marker = read_marker(cfg, "export")   # an export made before its marker said what it holds: refused unless current
     del marker["outputs"]["made_of"]
     (stage_dir(cfg, "export") / MARKER).write_text(json.dumps(marker))
@@ -417,6 +418,8 @@ def test_cards_leave_out_measurements_of_an_earlier_head(cfg_factory, caplog):
     assert "tau in vllm" not in (stage_dir(cfg, "export") / "vllm" / "README.md").read_text()
     (stage_dir(cfg, "train") / MARKER).write_text(json.dumps({"stage": "train", "fingerprint": fingerprint(cfg, "train"),
                                                               "output_id": "retrained"}))
+    vllm_check.find_exports(Path(cfg.run_dir), cfg, 3)   # checked, but said to be the earlier head's
+    assert "the export folders hold the head of an earlier training" in capsys.readouterr().out
     run_stages(cfg)  # the train output changed: export reruns
     card = (stage_dir(cfg, "export") / "vllm" / "README.md").read_text()
     assert "No evaluation report of this head was found" in card and "eagle3-tree" not in card

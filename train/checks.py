@@ -242,9 +242,9 @@ def device_problems(cfg: DictConfig) -> list[str]:
 
 
 def autocast_problems(cfg: DictConfig) -> list[str]:
-    """``train.autocast=float16`` over bfloat16 weights (``dtype`` bfloat16, a GPU's ``auto``): DeepSpeed's bf16 path
-    scales no loss, and the head's float16 gradients would underflow (float16 weights have DeepSpeed's loss scaling,
-    float32 ones float32 gradients)."""
+    """``train.autocast=float16`` but over float16 weights (``dtype=float16``, whose DeepSpeed path scales the loss):
+    over bfloat16 or float32 weights nothing scales it, and the float16 backward of every layer under autocast
+    underflows the small gradients (a loss averaged over 10^4-10^5 positions) before they reach the weights."""
     if OmegaConf.select(cfg, "train.autocast") != "float16":
         return []
     from train.target import resolve_device, resolve_dtype
@@ -253,11 +253,12 @@ def autocast_problems(cfg: DictConfig) -> list[str]:
         dtype = resolve_dtype(str(cfg.dtype), resolve_device(str(cfg.device)))
     except (RuntimeError, AttributeError):   # (a malformed device or dtype: named by their own checks)
         return []
-    if str(dtype) != "torch.bfloat16":
+    if str(dtype) == "torch.float16":
         return []
-    return [f"train.autocast=float16 with weights in bfloat16 (dtype={cfg.dtype}): DeepSpeed's bf16 path scales no "
-            "loss, so the head's float16 gradients would underflow and it would train worse without a word; use "
-            "train.autocast=bfloat16 (or null), or dtype=float16 (loss-scaled) or float32"]
+    kind = str(dtype).removeprefix("torch.")
+    return [f"train.autocast=float16 with weights in {kind} (dtype={cfg.dtype}): nothing scales the loss there, so "
+            "the head's float16 gradients would underflow and it would train worse without a word; use "
+            "train.autocast=bfloat16 (or null), or dtype=float16 (DeepSpeed scales its loss)"]
 
 
 def preflight(cfg: DictConfig) -> None:
