@@ -53,9 +53,9 @@ class CaptureWriter:
     keeps no more, and the extract stage computes the other rows. ``rows``: the conversations of the whole data
     stage (every rank's), whose shards the extract stage writes while these files still exist; ``margin``: the
     extract stage's ``extract.disk_margin``. A file is written by a thread of its own while the target generates on
-    (GBs a batch at 7-8B: seconds the GPU idled, thousands of times), one at a time, so two batches' states are held
-    in host memory (~5 GB a rank at 7B, 64 conversations of ~1,350 tokens); :meth:`wait` for it to be done (its rows
-    counted: before reading ``rows``)."""
+    (GBs a batch at 7-8B: seconds the GPU idled, thousands of times), one at a time, so up to three batches' states
+    are held in host memory (the one written, its joined copy, the next: ~7.5 GB a rank at 7B, 64 conversations of
+    ~1,350 tokens); :meth:`wait` for it to be done (its rows counted: before reading ``rows``)."""
 
     def __init__(self, directory: Path, layers: list[int], dtype: str, target: str, rows: int = 0,
                  margin: float = 1.0, keep_free: int = 2**30):

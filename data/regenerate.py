@@ -505,9 +505,9 @@ def _on_out_of_memory(batch_size: int, path: Path, flush: Callable[[bool], None]
 
 def _flush(f, lines: list[str], capture: CaptureWriter | None, captured: list[tuple[str, Answer]],
            fulls: dict[str, list[int]], lm_head: torch.Tensor | None) -> None:
-    """Write the finished answers gathered so far: their states (handed to the capture's writer thread: the previous
-    batch's held meanwhile, twice one batch's states in host memory) and their cache lines (fsync'd). A crash in
-    between loses kept states only: the extract stage computes the rows they do not cover."""
+    """Write the finished answers gathered so far: their states (handed to the capture's writer thread, which holds
+    them while the next batch's gather: :class:`data.captured.CaptureWriter`) and their cache lines (fsync'd). A
+    crash in between loses kept states only: the extract stage computes the rows they do not cover."""
     if capture and captured:
         ids = [fulls.pop(key) for key, _ in captured]
         if not capture.full:  # a disk short of room keeps no more (CaptureWriter)
