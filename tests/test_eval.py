@@ -413,5 +413,5 @@ def test_records_survive_a_torn_progress_file(tmp_path):
     (tmp_path / "records.jsonl").write_text(json.dumps({"id": "p", "method": "plain"}) + "\n")
     store = Records(tmp_path, "ab", ["plain"], fresh=False)
     assert store.done == {} and store.tree is None
-    assert json.loads((tmp_path / "progress.json").read_text()) == {"fingerprint": "ab", "tree": None}
+    assert json.loads((tmp_path / "progress.json").read_text()) == {"fingerprint": "ab", "tree": None, "attempt": None}
     assert not list(tmp_path.glob("*.tmp"))
