@@ -174,7 +174,7 @@ def regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
     Returns the regeneration stats on rank 0, ``None`` on the other ranks (their share is written; rank 0
     does the rest of the data stage).
     """
-    from train.stages import shares_work
+    from train.stages import on_stage_main
 
     with ExitStack() as held:
         def hold() -> None:
@@ -183,10 +183,7 @@ def regenerate_answers(cfg: DictConfig, convs: list[dict], tokenizer, path: Path
             named = (cfg.data.regen, cfg.data.system_prompt, cfg.data.get("thinking"))
             check_snapshot(cfg, path, cache_settings(*named), lambda fp: cache_file(path.parent, fp, *named))
 
-        if shares_work(cfg, "data"):   # rank 0 holds it; its refusal reaches every rank (they waited in a barrier for
-            dist.on_main(hold)         # dist_timeout_minutes where no launcher stops them: other nodes)
-        elif dist.is_main():
-            hold()
+        on_stage_main(cfg, "data", hold)   # rank 0 holds it; its refusal reaches every rank sharing the work
         return _regenerate_answers(cfg, convs, tokenizer, path, client)
 
 

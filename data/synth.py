@@ -503,7 +503,7 @@ class Synthesizer:
 
     def __call__(self, source: dict, name: str) -> Iterator[tuple[str, dict]]:
         from data.engines import LocalTarget, OpenAIClient, generation_config
-        from train.stages import shares_work
+        from train.stages import on_stage_main, shares_work
         from train.target import target_fingerprints
 
         dcfg = self.cfg.data
@@ -519,10 +519,7 @@ class Synthesizer:
         path.parent.mkdir(parents=True, exist_ok=True)
         check = functools.partial(check_snapshot, self.cfg, path, json.dumps(synth_settings(s), sort_keys=True),
                                   lambda fp: cache_file(directory, fp, s))
-        if shares_work(self.cfg, "data"):   # (every rank reads the sources: rank 0's refusal on all)
-            dist.on_main(check)
-        elif dist.is_main():
-            check()
+        on_stage_main(self.cfg, "data", check)   # (every rank sharing the sources' work gets rank 0's refusal)
         # Under a launcher with hf regeneration every rank reads the sources: they write the batches together
         # (rank r the batches b = r mod world) and each filters all of them (every rank has the same prompts).
         world = dist.world_size() if shares_work(self.cfg, "data") else 1

@@ -462,6 +462,16 @@ def shares_work(cfg: DictConfig, name: str) -> bool:
             and cfg.data.regen.get("backend", "hf") == "hf")
 
 
+def on_stage_main(cfg: DictConfig, name: str, fn: Callable[[], None]) -> None:
+    """``fn()`` on rank 0 of the rank-0 stage ``name``; where the other ranks share its work (:func:`shares_work`),
+    its error is raised on each of them too (they would wait in a barrier for dist_timeout_minutes where no launcher
+    stops them: other nodes)."""
+    if shares_work(cfg, name):
+        dist.on_main(fn)
+    elif dist.is_main():
+        fn()
+
+
 def _write_marker(cfg: DictConfig, name: str, fp: str, start: float, out: dict | None) -> dict:
     """The stage's ``_complete.json`` (written by rank 0, atomically)."""
     marker = {"stage": name, "fingerprint": fp,
