@@ -285,6 +285,19 @@ def test_token_norm_gives_a_step_the_gradient_of_its_rows_in_one_batch(tiny_llam
     assert max((a - b).norm() / b.norm() for a, b in zip(own, whole, strict=True)) > 0.1
 
 
+def test_chain_tau_stops_where_a_step_is_not_counted():
+    """A root near an answer's end: its later steps land past the EOS (not counted, though the draft predicts the
+    template's tokens there right); a decoder stops at the EOS, so the chain tau counts no step beyond it."""
+    from train.loop import summarise
+
+    correct = [torch.ones(1, 4, dtype=torch.bool)] * 3
+    weight = [torch.tensor([[1.0, 1.0, 1.0, 1.0]]), torch.tensor([[1.0, 1.0, 1.0, 0.0]]),
+              torch.tensor([[1.0, 1.0, 0.0, 0.0]])]
+    figures = summarise(correct, weight)
+    assert figures["chain_tau"] == pytest.approx(1 + 1 + 3 / 4 + 2 / 4)
+    assert figures["sim_tau"] == pytest.approx(4.0)   # every counted step right
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "medusa"])
 def test_validation_walk_is_what_the_chain_decoder_accepts(tiny_llama_cfg, kind):
     """Validation's ``decode_tau`` walks the rows as a chain decoder would (passes rooted past what they

@@ -170,8 +170,8 @@ def tallies(correct: list[torch.Tensor], weight: list[torch.Tensor]) -> torch.Te
     rows, run = [], None
     base = weight[0] > 0
     for c, w in zip(correct, weight, strict=True):
-        m = w > 0
-        run = c if run is None else run & c
+        m = w > 0   # a chain stops where step k is not counted (past the answer's end: a decoder stops at its EOS)
+        run = c & m if run is None else run & c & m
         rows.append(torch.stack([(c & m).sum(), m.sum(), (run & base).sum(), base.sum()]))
     return torch.stack(rows).double()
 

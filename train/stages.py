@@ -341,6 +341,7 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S")}))
     if why := dist.on_main(lambda: orphaned_checkpoints(cfg)):
         raise UserError(why)
+    started = dist.on_main(lambda: (force_record(cfg) or {}).get("started")) if cfg.force else None
     results = {}
     for name in [s for s in ORDER if s in cfg.stages]:
         if name in skipped(cfg):
@@ -351,7 +352,7 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
         fp, marker = dist.on_main(partial(_up_to_date, cfg, name))
         if marker and name in cfg.force:
             log(f"[{name}] forced, and finished at {marker['finished_at']} by an earlier attempt of this very command "
-                f"(the same stages and force, first run at {dist.on_main(lambda: force_record(cfg) or {}).get('started')}): "
+                f"(the same stages and force, first run at {started}): "
                 f"skipped, not redone. It is forced again once this command has ended (or delete "
                 f"{Path(cfg.run_dir) / FORCE_RECORD})")
             results[name] = marker
