@@ -53,7 +53,9 @@ class PlainDrafter:
 
 class NGramDrafter(PlainDrafter):
     """Prompt lookup: the latest earlier occurrence of the longest suffix (``max_n`` down to ``min_n``
-    tokens) of prompt + generated text; proposes the ``k`` tokens that followed it (a chain)."""
+    tokens) of prompt + generated text that ``k`` tokens follow, else its latest occurrence; proposes the (up to)
+    ``k`` tokens that followed it (a chain). In text repeating with a period p < k (a run of one token) the latest
+    occurrence is p tokens back and has only p tokens after it: an earlier one drafts all k."""
 
     def __init__(self, min_n: int = 2, max_n: int = 4, k: int = 4):
         self.min_n, self.max_n, self.k = min_n, max_n, k
@@ -66,7 +68,9 @@ class NGramDrafter(PlainDrafter):
             windows = seq[:-1].unfold(0, n, 1)   # starts whose continuation exists
             hits = (windows == seq[-n:]).all(-1).nonzero()
             if len(hits):
-                start = int(hits[-1]) + n
+                starts = hits[:, 0] + n
+                full = starts[starts + self.k <= len(ids)]
+                start = int(full[-1] if len(full) else starts[-1])
                 return ids[start:start + self.k]
         return []
 

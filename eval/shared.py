@@ -66,7 +66,8 @@ def baseline_settings(cfg: DictConfig) -> dict:
     """The eval settings that change plain and n-gram outputs (temperature and seed are per record)."""
     return {"max_new_tokens": cfg.eval.max_new_tokens, "top_p": cfg.eval.top_p,
             "ngram": OmegaConf.to_container(cfg.eval.ngram, resolve=True),
-            "system_prompt": cfg.data.system_prompt, "thinking": cfg.data.get("thinking"), "version": 1}
+            "system_prompt": cfg.data.system_prompt, "thinking": cfg.data.get("thinking"),
+            "version": 2}   # 2: n-gram lookup prefers an occurrence k tokens follow
 
 
 class JsonCache:

@@ -178,6 +178,8 @@ def test_ngram_lookup():
     assert ngram.lookup([1, 2, 3, 9, 9, 5, 2, 3, 7, 0, 1, 2, 3]) == [9, 9, 5]
     assert ngram.lookup([4, 1, 2, 8, 4, 1, 2, 6, 1, 2]) == [6, 1, 2]    # the latest occurrence
     assert ngram.lookup([1, 2, 3, 4, 5]) == []
+    assert ngram.lookup([5, 7, 7, 7, 7, 7, 7, 7, 7]) == [7, 7, 7]   # a run: not the latest occurrence (one token after it)
+    assert ngram.lookup([5, 6, 5, 6]) == [5, 6]   # none with k after it: the latest, what follows it
     assert ngram.propose([1, 2, 3, 1, 2]).parents == [0, 1, 2]
 
 
