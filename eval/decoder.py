@@ -232,10 +232,10 @@ class SpecDecoder:
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], drafter: Drafter, max_new_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0, typical: bool = False) -> Generation:
+                 top_p: float = 1.0, seed: int = 0, typical: bool = False, top_k: int = 0) -> Generation:
         """Decode up to ``max_new_tokens`` after ``prompt``; ``typical`` = Medusa typical acceptance (LOSSY)."""
         gen = torch.Generator(self.device).manual_seed(seed)
-        sampling = Sampling(temperature, top_p, gen)
+        sampling = Sampling(temperature, top_p, gen, top_k)
         layers = drafter.hidden_layers
         ids = list(prompt)
         start = self.clock()

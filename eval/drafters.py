@@ -125,7 +125,7 @@ class Eagle3Drafter:
             if s.greedy:
                 pick = logits.argmax()
             else:
-                q = warp(logits, s.temperature, s.top_p)
+                q = warp(logits, s.temperature, s.top_p, s.top_k)
                 pick = torch.multinomial(q, 1, generator=s.generator)[0]
                 qs.append(q)
             picks.append(pick)

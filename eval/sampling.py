@@ -25,6 +25,7 @@ class Sampling:
     temperature: float = 0.0      # 0 = greedy
     top_p: float = 1.0
     generator: torch.Generator | None = None
+    top_k: int = 0                # 0 = every token
 
     @property
     def greedy(self) -> bool:
@@ -73,7 +74,7 @@ def accept_sampled(tree: DraftTree, logits: torch.Tensor, sampling: Sampling) ->
     """Exact speculative sampling: the p/q rule for sampled chains, the sibling walk otherwise."""
     kids, path, node, gen = tree.children(), [], 0, sampling.generator
     while True:
-        p = warp(logits[node], sampling.temperature, sampling.top_p)
+        p = warp(logits[node], sampling.temperature, sampling.top_p, sampling.top_k)
         if tree.q is not None and kids[node]:
             child = kids[node][0]
             x, q = tree.tokens[child - 1], tree.q[child - 1].to(p)
@@ -101,7 +102,7 @@ def accept_typical(tree: DraftTree, logits: torch.Tensor, sampling: Sampling, ep
     accepted; the bonus is drawn from p restricted to such tokens (the most likely one is always kept)."""
     kids, path, node = tree.children(), [], 0
     while True:
-        p = warp(logits[node], sampling.temperature, sampling.top_p)
+        p = warp(logits[node], sampling.temperature, sampling.top_p, sampling.top_k)
         entropy = -(p * p.clamp_min(1e-12).log()).sum()
         typical = p > torch.minimum(torch.tensor(eps), delta * torch.exp(-entropy))
         child = next((c for c in kids[node] if typical[tree.tokens[c - 1]]), None)

@@ -7,7 +7,7 @@ cache):
   methods (:data:`SHARED_METHODS`: plain decoding and n-gram prompt lookup). The file is keyed by
   :func:`target_identity` (target files, EOS ids, machine: platform, CPUs, torch threads, device, dtype,
   library versions; the decoder's timing version) and :func:`baseline_settings` (max_new_tokens, top_p,
-  n-gram settings, system prompt, thinking); a record by the prompt's turns, the method, the temperature
+  top_k, n-gram settings, system prompt, thinking); a record by the prompt's turns, the method, the temperature
   and (sampling only) its seed. ``baselines-<hash>.key.json`` shows the key. The first head's eval writes
   the records as it decodes them (interleaved with its own methods, as always); the next head's eval reads
   them instead of decoding plain and n-gram again (``eval.share_baselines=false`` decodes them in its own
@@ -64,7 +64,7 @@ def target_identity(target_fp: str, eos: Iterable[int], target) -> dict:
 
 def baseline_settings(cfg: DictConfig) -> dict:
     """The eval settings that change plain and n-gram outputs (temperature and seed are per record)."""
-    return {"max_new_tokens": cfg.eval.max_new_tokens, "top_p": cfg.eval.top_p,
+    return {"max_new_tokens": cfg.eval.max_new_tokens, "top_p": cfg.eval.top_p, "top_k": cfg.eval.get("top_k", 0),
             "ngram": OmegaConf.to_container(cfg.eval.ngram, resolve=True),
             "system_prompt": cfg.data.system_prompt, "thinking": cfg.data.get("thinking"),
             "version": 2}   # 2: n-gram lookup prefers an occurrence k tokens follow

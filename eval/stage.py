@@ -98,7 +98,8 @@ def converse(decoder: SpecDecoder, drafter: Drafter, tokenizer, prompt: EvalProm
     gens: list[Generation] = []
     for _ in prompt.turns:
         gens.append(decoder.generate(turn_prompt(tokenizer, prompt, cfg, [g.tokens for g in gens]), drafter,
-                                     cfg.eval.max_new_tokens, temperature, cfg.eval.top_p, seed + len(gens), typical))
+                                     cfg.eval.max_new_tokens, temperature, cfg.eval.top_p, seed + len(gens), typical,
+                                     cfg.eval.get("top_k", 0)))
     return gens
 
 

@@ -74,13 +74,13 @@ class TableDrafter:
         return DraftTree.chain(tokens[1:], torch.stack(qs))
 
 
-def exact_distribution(target, temperature: float, top_p: float) -> dict[tuple[int, ...], float]:
+def exact_distribution(target, temperature: float, top_p: float, top_k: int = 0) -> dict[tuple[int, ...], float]:
     """P(x1 x2 x3 | PROMPT) for all VOCAB**3 continuations, from one batched forward."""
     seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=LENGTH)))
     ids = torch.cat([torch.tensor(PROMPT).expand(len(seqs), -1), seqs], 1)
     with torch.no_grad():
         logits = target(ids).logits[:, len(PROMPT) - 1: -1]
-    probs = warp(logits, temperature, top_p).gather(-1, seqs[..., None])[..., 0].prod(-1)
+    probs = warp(logits, temperature, top_p, top_k).gather(-1, seqs[..., None])[..., 0].prod(-1)
     return {tuple(s): float(p) for s, p in zip(seqs.tolist(), probs, strict=True)}
 
 
@@ -99,8 +99,8 @@ def chi_square_pvalue(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...
     return float(torch.special.gammaincc(df, torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-def sample(decoder: SpecDecoder, drafter, temperature: float, top_p: float) -> list[tuple[int, ...]]:
-    return [tuple(decoder.generate(PROMPT, drafter, LENGTH, temperature, top_p, seed=i).tokens)
+def sample(decoder: SpecDecoder, drafter, temperature: float, top_p: float, top_k: int = 0) -> list[tuple[int, ...]]:
+    return [tuple(decoder.generate(PROMPT, drafter, LENGTH, temperature, top_p, seed=i, top_k=top_k).tokens)
             for i in range(SAMPLES)]
 
 
@@ -111,17 +111,19 @@ def eagle3_chain(target) -> Eagle3Drafter:
 
 
 CASES = {
-    "tree-sibling-walk-top-p": (lambda t: TableDrafter("tree"), 0.8, 0.9),
-    "chain-p/q": (lambda t: TableDrafter("chain"), 1.0, 1.0),
-    "eagle3-chain-p/q-top-p": (eagle3_chain, 0.7, 0.8),
+    "tree-sibling-walk-top-p": (lambda t: TableDrafter("tree"), 0.8, 0.9, 0),
+    "chain-p/q": (lambda t: TableDrafter("chain"), 1.0, 1.0, 0),
+    "eagle3-chain-p/q-top-p": (eagle3_chain, 0.7, 0.8, 0),
+    "tree-sibling-walk-top-k": (lambda t: TableDrafter("tree"), 1.0, 1.0, 3),   # eval.top_k (Qwen3's 20)
+    "eagle3-chain-p/q-top-k-top-p": (eagle3_chain, 1.0, 0.9, 3),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_speculative_sampling_is_exact(target, case: str):
-    make, temperature, top_p = CASES[case]
-    exact = exact_distribution(target, temperature, top_p)
-    samples = sample(SpecDecoder(target), make(target), temperature, top_p)
+    make, temperature, top_p, top_k = CASES[case]
+    exact = exact_distribution(target, temperature, top_p, top_k)
+    samples = sample(SpecDecoder(target), make(target), temperature, top_p, top_k)
     assert all(exact[s] > 0 for s in samples), "a sequence the target cannot produce was generated"
     assert chi_square_pvalue(samples, exact) > ALPHA
 

@@ -98,7 +98,7 @@ NUMBERS = {
                      "data.validation_max_rows"], OPT_POS_INT),
     "eval.tree.total_tokens": ("int", lambda v: v >= 1, ">= 1", ("auto",)),
     **dict.fromkeys(["train.warmup_steps", "train.prefetch", "eval.warmup", "data.regen.seed", "seed",
-                     "head.ttt_reach_topk", "data.regen.top_k"], NON_NEG_INT),
+                     "head.ttt_reach_topk", "data.regen.top_k", "eval.top_k"], NON_NEG_INT),
     **dict.fromkeys(["extract.shard_mb", "train.lr", "train.muon_lr", "dist_timeout_minutes", "hang_minutes",
                      "planner.headroom", "extract.disk_margin", "planner.avg_row_tokens"], POS_NUM),
     **dict.fromkeys(["train.max_minutes", "planner.tokens", "planner.rows"], POS_NUM[:3] + ((None,),)),

@@ -80,7 +80,7 @@ ADDED = {"head.dropout": 0.0, "data.train_rows": None, "head.ttt_reach_topk": 0,
          "train.ema": 0.0, "head.feature_loss": 0.0,
          "head.layer_init_embed": "zero", "data.validation_max_rows": None, "train.optimizer": "adamw",
          "train.muon_lr": 0.02, "dtype": "auto", "device": "auto", "data.regen.top_k": 0,
-         "train.loss_norm": "micro_batch"}
+         "train.loss_norm": "micro_batch", "eval.top_k": 0}
 # Keys that rerun the train stage (its result may differ) but keep its checkpoints: the run continues from
 # the latest checkpoint with the new value (budgets: a longer train.max_minutes continues training, the
 # schedule refitted from the current step; validation settings only change what is measured from now on).
