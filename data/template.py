@@ -121,7 +121,8 @@ def tokenize_conversation(tokenizer, messages: list[dict], thinking: bool | None
             if content and not inner.startswith(content):   # where an answer starts in this position: after it
                 probe = render(tokenizer, [*messages[:i], {"role": "assistant", "content": SENTINEL}], thinking=thinking)
                 injected = probe.find(SENTINEL, len(before)) - len(before) if probe.startswith(before) else -1
-                if injected > 0 and inner.startswith(content, injected):
+                if injected > 0 and (inner.startswith(content, injected)   # (Qwen3 strips an answer's leading
+                                     or inner.startswith(content.lstrip("\n"), injected)):   # newlines after it)
                     start += injected
             spans.append((start, len(upto), False, bool(m.get("truncated"))))
             continue

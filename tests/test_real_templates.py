@@ -134,6 +134,12 @@ def test_qwen3_short_answer_is_found_after_the_injected_block(answer):
     assert masked(real_tokenizer("qwen3-8b"), [U("Say it"), A(answer)]) == [f"{answer}<|im_end|>"]
 
 
+def test_qwen3_answer_starting_with_a_newline_is_found_after_the_injected_block():
+    """The template strips a last answer's leading newlines after the empty <think> block it puts before it (a
+    dataset answer "\\nHello"): the block stays prompt, the answer and its end of turn are trained."""
+    assert masked(real_tokenizer("qwen3-8b"), [U("hi"), A("\nHello")]) == ["Hello<|im_end|>"]
+
+
 @pytest.mark.parametrize("name, thinking", [("qwen2.5-7b-instruct", None), ("llama-3.1-8b-instruct", None),
                                             ("qwen3-8b", False), ("qwen3-8b", True)])
 @pytest.mark.parametrize("truncated", [False, True])
