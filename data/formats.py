@@ -125,12 +125,16 @@ def to_messages(row, fmt: str, prompt_field: str | list[str] | None = None) -> l
 def tidy(messages: list[dict], counts: Counter) -> list[dict]:
     """``messages`` as the chat templates and the data stage take them (what the anchors do to ShareGPT and the
     like), each change counted in ``counts``: empty turns dropped; the conversation cut before its first tool
-    turn; assistant turns before the first user turn, and an assistant turn right after another, dropped.
+    turn, and before the assistant turn that called it (its text, "Let me look.", leads into the call: not an answer
+    the target ends there); assistant turns before the first user turn, and an assistant turn right after another,
+    dropped.
     [] when no user turn is left (the caller drops the conversation)."""
     out = []
     for m in messages:
         if m["role"] == "tool":
             counts["conversations_cut_at_tool_turn"] += 1
+            if out and out[-1]["role"] == "assistant":
+                out.pop()
             break
         if not m["content"].strip():
             counts["empty_turns_dropped"] += 1

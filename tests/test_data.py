@@ -150,7 +150,11 @@ REAL_ROWS = [
      "conversations_cut_at_tool_turn"),
     ({"conversations": [{"from": "human", "value": "weather?"}, {"from": "gpt", "value": "Let me look."},   # LLaMA-Factory
                         {"from": "function_call", "value": '{"name": "w"}'}, {"from": "observation", "value": "sunny"},
-                        {"from": "gpt", "value": "It is sunny."}]}, [U("weather?"), A("Let me look.")],
+                        {"from": "gpt", "value": "It is sunny."}]}, [U("weather?")],   # the call's lead-in too
+     "conversations_cut_at_tool_turn"),
+    ({"messages": [U("hi"), A("yo"), U("weather?"), {"role": "assistant", "content": "Let me look.",
+                                                     "tool_calls": [{"id": "1"}]},
+                   {"role": "tool", "content": "sunny"}, A("It is sunny.")]}, [U("hi"), A("yo"), U("weather?")],
      "conversations_cut_at_tool_turn"),
     ({"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "h"},
                                                                                           {"type": "text", "text": "i"}]}]},
