@@ -424,6 +424,23 @@ def prompt_key(messages: list[dict]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
+def conversation_key(messages: list[dict]) -> str:
+    """Identity of a whole conversation (every turn, answers included): a copy of a row, which without
+    regeneration would be trained twice and could be held out as a copy of a training row."""
+    text = "\x1f".join(f"{m['role']}:{m['content']}" for m in messages)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def special_text(tokenizer) -> re.Pattern | None:
+    """The texts of the tokenizer's special tokens (``<|im_end|>``, ``<|eot_id|>``, Llama-3's reserved ones), as one
+    pattern: in a dataset's turn (LMSYS-Chat and WildChat hold prompt injections, answers quote ``<|endoftext|>``)
+    the tokenizer reads them as the control tokens themselves, so a user turn could forge an end of turn and an
+    assistant header, and an answer's mask would end at the forged end of turn. None when it has none."""
+    texts = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special and t.content.strip()}
+    texts |= {t for t in tokenizer.all_special_tokens if t.strip()}
+    return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True)))) if texts else None
+
+
 def leaks(messages: list[dict], eval_prompts: set[str], min_chars: int = 40) -> bool:
     """True when a user turn equals, contains or is contained in an evaluation prompt (normalised)."""
     for m in messages:

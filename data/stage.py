@@ -34,12 +34,14 @@ from safetensors.torch import save_file
 from data.engines import RegenError, engine_client, regenerate_answers
 from data.formats import (
     DataError,
+    conversation_key,
     humaneval_path,
     leaks,
     normalise,
     prompt_key,
     read_rows,
     read_source,
+    special_text,
     to_messages,
 )
 from data.regenerate import cache_file, found_cache, read_cache
@@ -195,10 +197,10 @@ def sample_train_rows(convs: list[dict], n: int | None, seed: int) -> list[dict]
     return [c for c in convs if c["split"] != "train" or id(c) in kept]
 
 
-def read_conversations(cfg: DictConfig, synth: Synthesizer) -> tuple[list[dict], Counter, int]:
-    """The conversations of ``data.sources`` this run trains and validates on (eval overlaps dropped, splits
-    assigned, ``data.train_rows`` applied), the counts of what was dropped or changed, and the training rows
-    ``data.train_rows`` left out."""
+def read_conversations(cfg: DictConfig, synth: Synthesizer, tokenizer) -> tuple[list[dict], Counter, int]:
+    """The conversations of ``data.sources`` this run trains and validates on (eval overlaps, turns holding a special
+    token's text (:func:`data.formats.special_text`) and copies dropped, splits assigned, ``data.train_rows``
+    applied), the counts of what was dropped or changed, and the training rows ``data.train_rows`` left out."""
     dcfg = cfg.data
     counts = Counter()
     convs = []
@@ -210,21 +212,31 @@ def read_conversations(cfg: DictConfig, synth: Synthesizer) -> tuple[list[dict],
     workers = worker_count(dcfg, len(convs), side_by_side=shares_work(cfg, "data"))
     leaked = (list(pool_map(_leaks, convs, workers, "eval overlap", eval_prompts=eval_prompts))
               if eval_prompts else [False] * len(convs))
-    prompts = set()
+    prompts, special = set(), special_text(tokenizer)
     for conv, leak in zip(convs, leaked, strict=True):
         if leak:
             counts["dropped_eval_overlap"] += 1
             continue
-        if dcfg.regenerate:  # one answer per prompt: a repeated prompt is a copy of a row (in either split)
-            key = prompt_key(with_system(conv["messages"], dcfg.system_prompt))
-            if key in prompts:
-                counts["dropped_duplicate_prompts"] += 1
-                continue
-            prompts.add(key)
+        if special and any(special.search(m["content"]) for m in conv["messages"]):
+            counts["dropped_special_token_text"] += 1
+            continue
+        # One answer per prompt when regenerating; without, a row repeated whole (ShareGPT dumps hold copies) is
+        # trained once: a copy held out would score the head on a row it trained on.
+        messages = with_system(conv["messages"], dcfg.system_prompt)
+        key = prompt_key(messages) if dcfg.regenerate else conversation_key(messages)
+        if key in prompts:
+            counts["dropped_duplicate_prompts" if dcfg.regenerate else "dropped_duplicate_conversations"] += 1
+            continue
+        prompts.add(key)
         kept.append(conv)
     assign_splits(kept, dcfg.validation_fraction, cfg.seed, dcfg.validation_max_rows)  # after the drops: held-out rows are kept
     if counts["dropped_eval_overlap"]:
         log(f"[data] dropped {counts['dropped_eval_overlap']} conversations overlapping evaluation prompts")
+    if counts["dropped_special_token_text"]:
+        log(f"[data] dropped {counts['dropped_special_token_text']} conversations whose text holds a special token's "
+            "(an injected '<|im_end|>' would be read as the control token itself)")
+    if counts["dropped_duplicate_conversations"]:
+        log(f"[data] dropped {counts['dropped_duplicate_conversations']} conversations repeating an earlier one whole")
     if counts["dropped_duplicate_prompts"]:
         log(f"[data] dropped {counts['dropped_duplicate_prompts']} conversations repeating an earlier one's prompts "
             "(regenerated, they would be copies of its row)")
@@ -242,7 +254,7 @@ def run(cfg: DictConfig) -> dict:
     # One server (data.regen.backend vllm: started at its first request) writes the synth prompts and the answers.
     with engine_client(cfg) as client:
         synth = Synthesizer(cfg, tokenizer, client)
-        convs, counts, train_rows_left_out = read_conversations(cfg, synth)
+        convs, counts, train_rows_left_out = read_conversations(cfg, synth, tokenizer)
         regen_stats = None
         if dcfg.regenerate:
             path = found_cache([cache_file(dcfg.regen.dir, fp, dcfg.regen, dcfg.system_prompt, dcfg.get("thinking"),
