@@ -120,8 +120,9 @@ def before_empty_answer(messages: list[dict]) -> list[dict]:
 
 def _training_row(conv: dict) -> tuple[dict | None, list[str]]:
     """(training row, notes) of one conversation: the row (input_ids int32, loss_mask int8) and what was changed
-    (stats keys: ``truncated_to_max_length``, ``conversations_cut_at_empty_answer``), or None and why it is dropped
-    (a stats key, or ``template: <error>``)."""
+    (stats keys: ``truncated_to_max_length``, ``conversations_cut_at_empty_answer``, ``conversations_cut_to_fit``:
+    ``data.overflow=drop`` keeps the turns up to its last whole answer within ``data.max_length``), or None and why
+    it is dropped (a stats key, or ``template: <error>``)."""
     if not any(m["role"] == "assistant" for m in conv["messages"]):
         return None, ["dropped_no_assistant_turn"]
     messages, notes = before_empty_answer(conv["messages"]), []
@@ -134,10 +135,17 @@ def _training_row(conv: dict) -> tuple[dict | None, list[str]]:
     except Exception as e:  # the template refuses the conversation (jinja's raise_exception, ...)
         return None, [f"template: {e}"]
     if len(ids) > _SHARED["max_length"]:
-        if _SHARED["overflow"] == "drop":
-            return None, ["dropped_too_long"]
-        ids, mask = ids[: _SHARED["max_length"]], mask[: _SHARED["max_length"]]
-        notes.append("truncated_to_max_length")
+        if _SHARED["overflow"] == "drop":   # cut back to its last whole answer that fits (a long last turn, a capped
+            for end in reversed([i for i, m in enumerate(messages[:-1]) if m["role"] == "assistant"]):   # answer)
+                ids, mask = tokenize_conversation(_SHARED["tokenizer"], messages[:end + 1])
+                if len(ids) <= _SHARED["max_length"]:
+                    notes.append("conversations_cut_to_fit")
+                    break
+            else:
+                return None, ["dropped_too_long"]
+        else:
+            ids, mask = ids[: _SHARED["max_length"]], mask[: _SHARED["max_length"]]
+            notes.append("truncated_to_max_length")
     if not any(mask):
         return None, ["dropped_no_assistant_tokens"]
     # the key of the whole conversation: the states kept while regenerating it may cover a cut one (data/captured.py)
@@ -335,7 +343,7 @@ def run(cfg: DictConfig) -> dict:
         "dropped": {k: v for k, v in counts.items() if k.startswith("dropped") or k in ("bad_row", "malformed_json")},
         "modified": {k: v for k, v in counts.items() if k in (
             "truncated_to_max_length", "answers_truncated", "conversations_cut_at_max_length",
-            "conversations_cut_at_empty_answer",
+            "conversations_cut_at_empty_answer", "conversations_cut_to_fit",
             "conversations_cut_at_tool_turn", "empty_turns_dropped", "assistant_turns_out_of_order_dropped")},
         "tokens": {s: int(tally[s][1].sum()) for s in SPLITS},
         "masked_tokens": {s: int(tally[s][0].sum()) for s in SPLITS},

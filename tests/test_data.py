@@ -612,6 +612,28 @@ def test_regeneration_drops_repeated_prompts(cfg_factory, tmp_path):
         assert stats["dropped"] == {**dropped, "dropped_special_token_text": 1}
 
 
+def test_overflow_drop_keeps_the_whole_answers_that_fit(cfg_factory, tmp_path):
+    """data.overflow=drop: a conversation longer than data.max_length keeps its turns up to its last whole answer
+    within it (a long last turn, an answer regeneration capped past max_length, dropped the whole conversation);
+    one whose first answer does not fit is dropped."""
+    import datasets
+
+    tok = load_tokenizer(cfg_factory("model=tiny-llama"))
+    first = [{"role": "user", "content": "Tell me about cats."}, {"role": "assistant", "content": "Cats purr."}]
+    whole = [*first, {"role": "user", "content": "And dogs?"}, {"role": "assistant", "content": "Dogs bark. " * 20}]
+    fits = len(tokenize_conversation(tok, first)[0])
+    long = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon a time " * 20}]
+    path = write_jsonl(tmp_path / "chats.jsonl", [json.dumps({"messages": m}) for m in (whole, long)])
+    cfg = cfg_factory("model=tiny-llama", "stages=[data]", f"data.sources=[{{path:'{path}'}}]", "data.regenerate=false",
+                      "data.overflow=drop", f"data.max_length={fits + 5}", "head.draft_vocab_size=40",
+                      "data.validation_fraction=0")
+    run_stages(cfg)
+    stats = json.loads((stage_dir(cfg, "data") / "stats.json").read_text())
+    ds = datasets.load_from_disk(str(stage_dir(cfg, "data") / "dataset"))
+    assert ds["train"]["input_ids"] == [tokenize_conversation(tok, first)[0]]
+    assert stats["dropped"] == {"dropped_too_long": 1} and stats["modified"]["conversations_cut_to_fit"] == 1
+
+
 def test_processes_tokenize_what_one_process_does(cfg_factory, tmp_path):
     """data.num_proc > 1 (forked workers render and tokenize the conversations, and check the eval overlap):
     the same dataset, counts and stats as in one process."""
