@@ -365,7 +365,8 @@ def run(cfg: DictConfig) -> dict:
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     log(f"[data] train {len(rows['train'])} rows / {stats['tokens']['train']} tokens "
         f"({stats['masked_tokens']['train']} assistant), validation {len(rows['validation'])} rows; "
-        "held-out answer tokens covered by draft vocabularies of "
+        + ("held-out" if rows["validation"] else "(no validation rows: in-sample) training") +
+        " answer tokens covered by draft vocabularies of "
         + (", ".join(f"{size}: {share:.1%}" for size, share in stats["validation_coverage_by_size"].items())
            or "any size below the vocabulary: -"))
     return {"stats": str(out / "stats.json"), **{k: stats[k] for k in ("rows_kept", "tokens")}}
