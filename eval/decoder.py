@@ -221,7 +221,8 @@ class SpecDecoder:
             for layer in cache.layers:
                 layer.keys[:, :, start:start + len(rows)] = layer.keys[:, :, src]
                 layer.values[:, :, start:start + len(rows)] = layer.values[:, :, src]
-        cache.crop(-(cache.get_seq_length() - start - len(rows)))
+        if drop := cache.get_seq_length() - start - len(rows):   # (plain decoding's one row: nothing to walk the
+            cache.crop(-drop)                                      # layers for, per token)
 
     def _commit(self, ids: list[int], new: list[int], max_new_tokens: int, prompt_len: int) -> bool:
         """Append ``new`` to ``ids``, cut at the first EOS and at ``max_new_tokens``; True when done."""

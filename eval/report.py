@@ -12,7 +12,7 @@ from pathlib import Path
 
 from eval.drafters import METHODS
 
-RESULT_KEYS = ("dataset", "category", "method", "temperature", "n_prompts", "new_tokens", "cycles", "tau",
+RESULT_KEYS = ("dataset", "category", "method", "temperature", "n_prompts", "new_tokens", "cycles", "tau", "accept_len",
                "tokens_per_s", "plain_tokens_per_s", "speedup", "draft_time_share", "identical_to_plain",
                "divergence_rate", "divergence_position", "ties", "mismatches")
 
@@ -48,10 +48,15 @@ def aggregate(records: list[dict]) -> list[dict]:
         tokens, wall = sum(r["new_tokens"] for r in rs), sum(r["wall_s"] for r in rs)
         tps = tokens / wall
         plain_tps = sum(r["new_tokens"] for r in plain) / sum(r["wall_s"] for r in plain)
+        # accept_len: per verify pass, the prefill's pass and token left out (what vLLM and the EAGLE papers call the
+        # mean acceptance length, accepted drafts + 1); tau counts every pass, the prefill's too
+        turns = sum(r.get("turns", 1) for r in rs)
+        verifies = sum(r["cycles"] for r in rs) - turns
         rows.append({
             "dataset": dataset, "category": category, "method": method, "temperature": temperature,
             "n_prompts": len(rs), "new_tokens": tokens, "cycles": sum(r["cycles"] for r in rs),
             "tau": tokens / sum(r["cycles"] for r in rs),
+            "accept_len": (tokens - turns) / verifies if verifies else None,
             "tokens_per_s": tps, "plain_tokens_per_s": plain_tps, "speedup": tps / plain_tps,
             "draft_time_share": sum(r["draft_s"] for r in rs) / wall, **divergence_stats(rs),
             "acceptance": rs[0]["acceptance"],
@@ -127,7 +132,8 @@ def markdown(report: dict) -> str:
                                                                          choice["verify_ms"].items()) + ")")
     lines = [f"# Speculative decoding eval: {report['target']} + {report['head']} head", "",
              f"Device {report['device']} ({report['cpu_threads']} CPU threads), {report['dtype']}{chosen}. Speedup = tokens/s "
-             f"over plain decoding measured in {timed}. tau = new tokens / target forward passes (prefill included).",
+             f"over plain decoding measured in {timed}. tau = new tokens / target forward passes (prefill included); "
+             "acc. length = tokens per verify pass (the prefill's left out: accepted drafts + 1, as vLLM reports it).",
              "", "## What speculation costs", ""]
     lines += _table(["", "parameters", "memory (MB)"], [
         ["target", f"{report['target_params']:,}", report["target_memory_mb"]],
@@ -158,11 +164,12 @@ def markdown(report: dict) -> str:
     for (dataset, temperature) in dict.fromkeys((r["dataset"], r["temperature"]) for r in report["results"]):
         lines += [f"### {dataset}, temperature {temperature}", ""]
         rows = [[r["category"], r["method"] + ("" if r["acceptance"] == "exact" else " (LOSSY)"), r["n_prompts"],
-                 r["tau"], r["tokens_per_s"], r["plain_tokens_per_s"], r["speedup"], r["draft_time_share"],
+                 r["tau"], r["accept_len"], r["tokens_per_s"], r["plain_tokens_per_s"], r["speedup"],
+                 r["draft_time_share"],
                  None if r["divergence_rate"] is None else f"{r['divergence_rate']:.1%}",
                  r["divergence_position"], r["ties"], r["mismatches"]]
                 for r in report["results"] if r["dataset"] == dataset and r["temperature"] == temperature]
-        lines += _table(["category", "method", "prompts", "tau", "tok/s", "plain tok/s", "speedup", "draft share",
+        lines += _table(["category", "method", "prompts", "tau", "acc. length", "tok/s", "plain tok/s", "speedup", "draft share",
                          "diverged", "tokens before", "ties", "mismatches"], rows) + [""]
     lines += ["Greedy only: diverged = share of prompts whose output departs from plain decoding; tokens before = "
               "mean tokens matched before the first divergence; the target re-scores that position in float32: a "

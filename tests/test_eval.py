@@ -355,7 +355,7 @@ def test_a_target_stored_in_bf16_is_judged_in_float32_without_a_copy(tiny_plain,
 def record(method: str, prompt: str, wall_s: float, div: dict | None = None, temperature: float = 0.0) -> dict:
     """A synthetic per-prompt record: 20 tokens in 10 cycles (plain: 20), ``wall_s`` seconds."""
     return {"dataset": "d", "category": "c", "id": prompt, "method": method, "temperature": temperature,
-            "new_tokens": 20, "cycles": 20 if method == "plain" else 10, "wall_s": wall_s, "draft_s": 0.1,
+            "new_tokens": 20, "cycles": 20 if method == "plain" else 10, "turns": 1, "wall_s": wall_s, "draft_s": 0.1,
             "divergence": div if temperature == 0 else None, "acceptance": "exact"}
 
 
@@ -375,6 +375,8 @@ def test_aggregate_and_recommend_with_divergences():
                                                         "ties", "mismatches"))
 
     assert stats("plain") == stats("ngram") == (True, 0.0, None, 0, 0)
+    # per verify pass, the prefill's pass and token left out: (20 - 1) / (10 - 1) per record, plain 1
+    assert row[("ngram", "all")]["accept_len"] == pytest.approx(19 / 9) and row[("plain", "all")]["accept_len"] == 1.0
     assert stats("medusa-chain") == (False, 0.5, 3.0, 1, 0)
     assert stats("medusa-tree") == (False, 1.0, 6.0, 1, 1)
     recs = {r["category"]: r for r in recommend(results, 1.05)}
