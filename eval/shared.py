@@ -5,7 +5,7 @@ cache):
 
 - ``baselines-<hash>.jsonl``: the per-prompt records (tokens per turn and timings) of the head-independent
   methods (:data:`SHARED_METHODS`: plain decoding and n-gram prompt lookup). The file is keyed by
-  :func:`target_identity` (target files, EOS ids, machine: platform, CPUs, torch threads, device, dtype,
+  :func:`target_identity` (target files, EOS ids, machine: host, platform, CPUs, torch threads, device, dtype,
   library versions; the decoder's timing version) and :func:`baseline_settings` (max_new_tokens, top_p,
   top_k, n-gram settings, system prompt, thinking); a record by the prompt's turns, the method, the temperature
   and (sampling only) its seed. ``baselines-<hash>.key.json`` shows the key. The first head's eval writes
@@ -45,7 +45,9 @@ def machine(target) -> dict:
     """What timings depend on besides the target's weights: the platform, CPUs, torch threads (as set now; on
     the CPU only: a GPU's timings do not follow them, and an eval after training inherits the threads training
     set per rank, which a rerun of eval alone does not) and OpenMP's wait policy (PASSIVE: a verify pass of 2+
-    tokens took 1.6-2.1x as long on the 2-core CPU), device, dtype and the torch / transformers versions."""
+    tokens took 1.6-2.1x as long on the 2-core CPU), device, dtype, the torch / transformers versions, and the host
+    (the nodes of a cluster share an image, a GPU model and an output_root: another node's plain decoding timed
+    its speedups while the report said "this machine")."""
     weight = next(target.parameters())
     cpu = weight.device.type == "cpu"
     threads = torch.get_num_threads() if cpu else None
@@ -53,7 +55,8 @@ def machine(target) -> dict:
             "cpus": os.cpu_count(), "threads": threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") if cpu
             else None, "device": str(weight.device),
             "gpu": torch.cuda.get_device_name(weight.device) if weight.device.type == "cuda" else None,
-            "dtype": str(weight.dtype), "torch": torch.__version__, "transformers": transformers.__version__}
+            "dtype": str(weight.dtype), "torch": torch.__version__, "transformers": transformers.__version__,
+            "host": platform.node()}
 
 
 def target_identity(target_fp: str, eos: Iterable[int], target) -> dict:

@@ -161,6 +161,17 @@ def test_timings_under_another_openmp_wait_policy_are_not_reused(monkeypatch):
     assert machine(torch.nn.Linear(2, 2, device="meta"))["omp_wait_policy"] is None   # a GPU's timings: not so
 
 
+def test_timings_of_another_host_are_not_reused(monkeypatch):
+    """The nodes of a cluster share an image, a GPU model and output_root (eval.shared_dir under it): one node's
+    plain decoding is not the baseline of another's speedups."""
+    import platform
+
+    target = torch.nn.Linear(2, 2)
+    here = target_identity("fp", [1], target)
+    monkeypatch.setattr(platform, "node", lambda: "node-7")
+    assert target_identity("fp", [1], target) != here and machine(target)["host"] == "node-7"
+
+
 def test_eval_reruns_on_another_precision_or_device(tiny_llama_cfg):
     """eval.dtype=auto follows the top-level dtype: a report measured in bf16 was kept for a dtype=float32 run
     (eval "up to date"). Training's result does not change with them (its checkpoints refuse another dtype)."""
