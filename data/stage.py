@@ -46,7 +46,7 @@ from data.formats import (
 )
 from data.regenerate import cache_file, found_cache, read_cache
 from data.synth import Synthesizer
-from data.template import check_template, set_thinking, tokenize_conversation, with_system
+from data.template import check_template, earlier_reasoning, set_thinking, tokenize_conversation, with_system
 from data.vocab import coverage_curve
 from train import dist
 from train.log import log, progress
@@ -116,6 +116,26 @@ def before_empty_answer(messages: list[dict]) -> list[dict]:
     if empty is None:
         return messages
     return messages[:max((i for i in range(empty) if messages[i]["role"] == "user"), default=0)]
+
+
+def _training_rows(conv: dict) -> tuple[list[dict], list[str]]:
+    """(training rows, notes) of one conversation: its row and those of the reasoning its render drops
+    (:func:`data.template.earlier_reasoning`; noted ``rows_of_earlier_reasoning`` each), and the notes of its row
+    (:func:`_training_row`)."""
+    row, notes = _training_row(conv)
+    if row is None:
+        return [], notes
+    rows = [row]
+    for ids, mask in earlier_reasoning(_SHARED["tokenizer"], before_empty_answer(conv["messages"])):
+        if len(ids) > _SHARED["max_length"]:
+            if _SHARED["overflow"] == "drop":
+                continue
+            ids, mask = ids[: _SHARED["max_length"]], mask[: _SHARED["max_length"]]
+        if any(mask):
+            rows.append({**row, "id": f"{row['id']}#{len(rows)}", "input_ids": np.asarray(ids, dtype=np.int32),
+                         "loss_mask": np.asarray(mask, dtype=np.int8), "length": len(ids)})
+            notes.append("rows_of_earlier_reasoning")
+    return rows, notes
 
 
 def _training_row(conv: dict) -> tuple[dict | None, list[str]]:
@@ -293,9 +313,9 @@ def run(cfg: DictConfig) -> dict:
             conv["messages"] = with_system(conv["messages"], dcfg.system_prompt)
 
     rows = {s: [] for s in SPLITS}
-    made = pool_map(_training_row, convs, worker_count(dcfg, len(convs)), "tokenize", tokenizer=tokenizer,
+    made = pool_map(_training_rows, convs, worker_count(dcfg, len(convs)), "tokenize", tokenizer=tokenizer,
                     max_length=dcfg.max_length, overflow=dcfg.overflow)
-    for conv, (row, notes) in zip(convs, made, strict=True):
+    for conv, (made_rows, notes) in zip(convs, made, strict=True):
         for note in notes:
             if note.startswith("template: "):
                 if dcfg.on_error != "skip":
@@ -306,8 +326,7 @@ def run(cfg: DictConfig) -> dict:
                 counts["dropped_template_error"] += 1
             else:
                 counts[note] += 1
-        if row is not None:
-            rows[conv["split"]].append(row)
+        rows[conv["split"]].extend(made_rows)
     if not rows["train"]:
         raise DataError(
             f"the dataset is empty after filtering ({dict(counts)}). Prompt-only sources need "
@@ -343,7 +362,7 @@ def run(cfg: DictConfig) -> dict:
         "dropped": {k: v for k, v in counts.items() if k.startswith("dropped") or k in ("bad_row", "malformed_json")},
         "modified": {k: v for k, v in counts.items() if k in (
             "truncated_to_max_length", "answers_truncated", "conversations_cut_at_max_length",
-            "conversations_cut_at_empty_answer", "conversations_cut_to_fit",
+            "conversations_cut_at_empty_answer", "conversations_cut_to_fit", "rows_of_earlier_reasoning",
             "conversations_cut_at_tool_turn", "empty_turns_dropped", "assistant_turns_out_of_order_dropped")},
         "tokens": {s: int(tally[s][1].sum()) for s in SPLITS},
         "masked_tokens": {s: int(tally[s][0].sum()) for s in SPLITS},

@@ -17,9 +17,9 @@ sequences (``tokenize_conversation``) and evaluation prompts (``prompt_ids``) ag
   prompt, so it is prompt, not trained on; the mask covers the answer and the end-of-turn token.
 Such templates rewrite history (earlier assistant turns lose their ``<think>`` block), so a render up
 to an earlier turn is not a prefix of the whole conversation. For those turns the mask covers the
-turn's final answer as the template renders it in the conversation (reasoning of earlier turns is
-not in the sequence at all, as the target never sees it; an answer that was all reasoning leaves its
-end-of-turn token) and the end-of-turn token after it. Text the template injects before an answer
+turn's final answer as the template renders it in the conversation (an answer that was all reasoning leaves its
+end-of-turn token) and the end-of-turn token after it; the reasoning the render drops is trained in a row of its
+own per such answer (:func:`earlier_reasoning`: the conversation up to it, as the target wrote it). Text the template injects before an answer
 (Qwen3's empty ``<think>`` block before a last answer that has none) is not trained on; a last answer the
 target did not end (regeneration's ``truncated``: a reasoning cut at ``max_new_tokens``) is not rendered at all,
 the row is its prompt and its ids (:func:`as_generated`).
@@ -100,6 +100,28 @@ def user_turn_prefix(tokenizer, system: str | None = None, thinking: bool | None
 def final_answer(content: str) -> str:
     """The part of an assistant message after its reasoning (what history renders keep)."""
     return content.split("</think>")[-1].lstrip("\n") if "</think>" in content else content
+
+
+def earlier_reasoning(tokenizer, messages: list[dict], thinking: bool | None = None) -> list[tuple[list[int], list[int]]]:
+    """(ids, mask) per answer whose reasoning the conversation's render drops (Qwen3 keeps ``<think>`` only in the
+    last answer): the conversation up to that answer, rendered with it last (as the target wrote it, reasoning
+    included), only that answer and its end of turn trained. Regeneration wrote that reasoning (most of a reasoning
+    target's tokens) and the conversation's row cannot train it: without these rows a conversation of k answers
+    trained the reasoning of its last one only."""
+    text, out = None, []
+    for i, m in enumerate(messages):
+        reasoning = m["content"].split("</think>")[0].split("<think>")[-1].strip() if m["role"] == "assistant" and \
+            "</think>" in m["content"] else ""
+        if not reasoning:
+            continue
+        text = render(tokenizer, messages, thinking=thinking) if text is None else text
+        if reasoning in text:   # rendered: trained in the conversation's row
+            continue
+        prompt = prompt_ids(tokenizer, messages[:i], thinking)
+        ids, mask = tokenize_conversation(tokenizer, messages[:i + 1], thinking)
+        if ids[:len(prompt)] == prompt and any(mask[len(prompt):]):
+            out.append((ids, [0] * len(prompt) + mask[len(prompt):]))
+    return out
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], thinking: bool | None = None) -> tuple[list[int], list[int]]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from data.formats import pack_ids
-from data.template import conversation_ids, prompt_ids, render, tokenize_conversation
+from data.template import conversation_ids, earlier_reasoning, prompt_ids, render, tokenize_conversation
 from train.target import _build_tiny_tokenizer
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
@@ -99,6 +99,40 @@ def test_qwen3_reasoning_only_answer_keeps_its_end_of_turn():
     tok = real_tokenizer("qwen3-8b")
     assert masked(tok, [U("Hi"), A("<think>\nx\n</think>\n\n"), U("?"), A("ok")], None) == ["<|im_end|>",
                                                                                               "ok<|im_end|>"]
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b", "qwen2.5-7b-instruct", "llama-3.1-8b-instruct"])
+def test_reasoning_the_conversation_drops_is_trained_in_a_row_of_its_own(name):
+    """Qwen3 drops every earlier answer's reasoning from the conversation's render (its row trains only their final
+    answers): each such answer gets a row of its own, the conversation up to it as the target wrote it, where only
+    that answer (its reasoning included) and its end of turn are trained. The last answer's reasoning is in the
+    conversation's row; templates that keep every answer whole (Qwen2.5, Llama 3.1) add no row."""
+    tok = real_tokenizer(name)
+    first, second = "<think>\nadd them\n</think>\n\nIt is 4.", "<think>\nadd again\n</think>\n\nSix."
+    conv = [U("What is 2+2?"), A(first), U("And 3+3?"), A(second), U("Bye."), A("<think>\nwave\n</think>\n\nBye!")]
+    rows = earlier_reasoning(tok, conv)
+    if name != "qwen3-8b":
+        assert rows == []
+        return
+    assert len(rows) == 2
+    for (ids, mask), end, answer in zip(rows, (2, 4), ("add them", "add again"), strict=True):
+        assert ids == conversation_ids(tok, conv[:end])   # rendered with that answer last: its reasoning in it
+        prompt = prompt_ids(tok, conv[:end - 1])
+        assert not any(mask[:len(prompt)]) and ids[:len(prompt)] == prompt
+        (trained,) = [tok.decode(ids[a:b]) for a, b in spans(mask)]
+        assert answer in trained and trained.endswith("<|im_end|>") and trained.count("<think>") == 1
+    assert "add them" not in tok.decode(conversation_ids(tok, conv))   # (what the conversation's row misses)
+    from data.stage import _training_rows, pool_map
+
+    convs = [{"id": "c", "source": "s", "category": "k", "messages": conv}]
+    ((made, notes),) = pool_map(_training_rows, convs, 1, "tokenize", tokenizer=tok, max_length=4096,
+                                overflow="truncate")
+    assert [r["id"] for r in made] == ["c", "c#1", "c#2"] and notes == ["rows_of_earlier_reasoning"] * 2
+    assert [r["input_ids"].tolist() for r in made[1:]] == [ids for ids, _ in rows]
+    assert len({r["key"] for r in made}) == 1   # the conversation's (its kept states cover none of the new rows)
+    short = len(rows[0][0]) + 1   # the first reasoning row fits, the second does not: dropped under overflow=drop
+    ((made, notes),) = pool_map(_training_rows, convs, 1, "tokenize", tokenizer=tok, max_length=short, overflow="drop")
+    assert [r["id"] for r in made] == ["c", "c#1"] and made[0]["length"] <= short
 
 
 def test_qwen3_truncated_reasoning_is_trained_without_the_block_the_template_adds():
