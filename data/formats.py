@@ -432,12 +432,17 @@ def conversation_key(messages: list[dict]) -> str:
 
 
 def special_text(tokenizer) -> re.Pattern | None:
-    """The texts of the tokenizer's special tokens (``<|im_end|>``, ``<|eot_id|>``, Llama-3's reserved ones), as one
-    pattern: in a dataset's turn (LMSYS-Chat and WildChat hold prompt injections, answers quote ``<|endoftext|>``)
-    the tokenizer reads them as the control tokens themselves, so a user turn could forge an end of turn and an
-    assistant header, and an answer's mask would end at the forged end of turn. None when it has none."""
-    texts = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special and t.content.strip()}
-    texts |= {t for t in tokenizer.all_special_tokens if t.strip()}
+    """The texts of the tokenizer's control tokens (the special tokens its chat template writes: ``<|im_end|>``,
+    ``<|eot_id|>``; and its BOS, EOS, PAD and UNK), as one pattern: in a dataset's turn (LMSYS-Chat and WildChat hold
+    prompt injections, answers quote ``<|endoftext|>``) the tokenizer reads them as the control tokens themselves, so
+    a user turn could forge an end of turn and an assistant header, and an answer's mask would end at the forged end
+    of turn. Special tokens the template never writes (SmolLM2's ``<filename>``, Llama-3's reserved ones) are not
+    control tokens: a prompt about ``git add <filename>`` is kept. None when there are none."""
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    texts = {t.content for t in tokenizer.added_tokens_decoder.values()
+             if t.special and t.content.strip() and t.content in template}
+    texts |= {t for t in (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, tokenizer.unk_token)
+              if isinstance(t, str) and t.strip()}
     return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True)))) if texts else None
 
 

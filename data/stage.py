@@ -119,14 +119,14 @@ def before_empty_answer(messages: list[dict]) -> list[dict]:
 
 
 def _training_rows(conv: dict) -> tuple[list[dict], list[str]]:
-    """(training rows, notes) of one conversation: its row and those of the reasoning its render drops
-    (:func:`data.template.earlier_reasoning`; noted ``rows_of_earlier_reasoning`` each), and the notes of its row
-    (:func:`_training_row`)."""
-    row, notes = _training_row(conv)
-    if row is None:
-        return [], notes
+    """(training rows, notes) of one conversation: its row and, in the train split, those of the reasoning its row's
+    render drops (:func:`data.template.earlier_reasoning` of the turns the row kept; noted ``rows_of_earlier_reasoning``
+    each), and the notes of its row (:func:`_training_row`)."""
+    row, notes, messages = _training_row(conv)
+    if row is None or conv["split"] != "train":   # (validation: data.validation_max_rows stays a cap on its rows)
+        return [row] if row else [], notes
     rows = [row]
-    for ids, mask in earlier_reasoning(_SHARED["tokenizer"], before_empty_answer(conv["messages"])):
+    for ids, mask in earlier_reasoning(_SHARED["tokenizer"], messages):
         if len(ids) > _SHARED["max_length"]:
             if _SHARED["overflow"] == "drop":
                 continue
@@ -138,40 +138,42 @@ def _training_rows(conv: dict) -> tuple[list[dict], list[str]]:
     return rows, notes
 
 
-def _training_row(conv: dict) -> tuple[dict | None, list[str]]:
-    """(training row, notes) of one conversation: the row (input_ids int32, loss_mask int8) and what was changed
+def _training_row(conv: dict) -> tuple[dict | None, list[str], list[dict]]:
+    """(training row, notes, the messages it holds) of one conversation: the row (input_ids int32, loss_mask int8)
+    and what was changed
     (stats keys: ``truncated_to_max_length``, ``conversations_cut_at_empty_answer``, ``conversations_cut_to_fit``:
     ``data.overflow=drop`` keeps the turns up to its last whole answer within ``data.max_length``), or None and why
     it is dropped (a stats key, or ``template: <error>``)."""
     if not any(m["role"] == "assistant" for m in conv["messages"]):
-        return None, ["dropped_no_assistant_turn"]
+        return None, ["dropped_no_assistant_turn"], []
     messages, notes = before_empty_answer(conv["messages"]), []
     if len(messages) < len(conv["messages"]):
         if not any(m["role"] == "assistant" for m in messages):
-            return None, ["dropped_empty_answer"]
+            return None, ["dropped_empty_answer"], []
         notes.append("conversations_cut_at_empty_answer")
     try:
         ids, mask = tokenize_conversation(_SHARED["tokenizer"], messages)
     except Exception as e:  # the template refuses the conversation (jinja's raise_exception, ...)
-        return None, [f"template: {e}"]
+        return None, [f"template: {e}"], []
     if len(ids) > _SHARED["max_length"]:
         if _SHARED["overflow"] == "drop":   # cut back to its last whole answer that fits (a long last turn, a capped
             for end in reversed([i for i, m in enumerate(messages[:-1]) if m["role"] == "assistant"]):   # answer)
                 ids, mask = tokenize_conversation(_SHARED["tokenizer"], messages[:end + 1])
                 if len(ids) <= _SHARED["max_length"]:
                     notes.append("conversations_cut_to_fit")
+                    messages = messages[:end + 1]
                     break
             else:
-                return None, ["dropped_too_long"]
+                return None, ["dropped_too_long"], []
         else:
             ids, mask = ids[: _SHARED["max_length"]], mask[: _SHARED["max_length"]]
             notes.append("truncated_to_max_length")
     if not any(mask):
-        return None, ["dropped_no_assistant_tokens"]
+        return None, ["dropped_no_assistant_tokens"], []
     # the key of the whole conversation: the states kept while regenerating it may cover a cut one (data/captured.py)
     return {"id": conv["id"], "source": conv["source"], "category": conv["category"],
             "key": prompt_key(conv["messages"]), "input_ids": np.asarray(ids, dtype=np.int32),
-            "loss_mask": np.asarray(mask, dtype=np.int8), "length": len(ids)}, notes
+            "loss_mask": np.asarray(mask, dtype=np.int8), "length": len(ids)}, notes, messages
 
 
 def eval_prompt_set(cfg: DictConfig) -> set[str]:
@@ -245,7 +247,9 @@ def read_conversations(cfg: DictConfig, synth: Synthesizer, tokenizer) -> tuple[
         if leak:
             counts["dropped_eval_overlap"] += 1
             continue
-        if special and any(special.search(m["content"]) for m in conv["messages"]):
+        if special and any(special.search(m["content"]) for m in conv["messages"]   # (regenerated: the prompts only)
+                           if not (dcfg.regenerate and m["role"] == "assistant")
+                           and not (dcfg.system_prompt is not None and m["role"] == "system")):
             counts["dropped_special_token_text"] += 1
             continue
         # One answer per prompt when regenerating; without, a row repeated whole (ShareGPT dumps hold copies) is

@@ -161,11 +161,13 @@ def _ttt_chunk(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, dk: torch.Te
     # Scores in float32 at least, as step 0's fused attention (and the engines serving the head) keeps them: bf16
     # scores rounded q.k before the softmax (steps 1+ had ~1.7x step 0's output error in bf16). The chunk's copies
     # are small beside its scores.
+    # (autocast off: it would run the products in bf16 again under train.autocast)
     wide = torch.promote_types(q.dtype, torch.float32)
-    qw = q.to(wide)
-    s0 = torch.einsum("bngcd,bnkd->bngck", qw, k0.to(wide)).mul_(scale).masked_fill_(~causal, float("-inf"))
-    sd = torch.einsum("bngcd,bncjd->bngcj", qw, dk.to(wide)) * scale
-    p = torch.softmax(torch.cat([s0, sd], -1), -1).to(q.dtype)
+    with torch.autocast(q.device.type, enabled=False):
+        qw = q.to(wide)
+        s0 = torch.einsum("bngcd,bnkd->bngck", qw, k0.to(wide)).mul_(scale).masked_fill_(~causal, float("-inf"))
+        sd = torch.einsum("bngcd,bncjd->bngcj", qw, dk.to(wide)) * scale
+        p = torch.softmax(torch.cat([s0, sd], -1), -1).to(q.dtype)
     return torch.einsum("bngck,bnkd->bngcd", p[..., :e], v0) + torch.einsum("bngcj,bncjd->bngcd", p[..., e:], dv)
 
 

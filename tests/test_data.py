@@ -76,7 +76,7 @@ def test_a_conversation_is_cut_before_its_first_empty_answer_not_dropped():
     empty_first = [CONVERSATION[0], CONVERSATION[1], {"role": "assistant", "content": ""}, *CONVERSATION[3:]]
     convs = [{"id": i, "source": "s", "category": "c", "messages": m}
              for i, m in enumerate((CONVERSATION, empty_second, empty_first))]
-    (whole, notes), (cut, cut_notes), (dropped, why) = pool_map(
+    (whole, notes, _), (cut, cut_notes, _), (dropped, why, _) = pool_map(
         _training_row, convs, 1, "tokenize", tokenizer=tok, max_length=4096, overflow="truncate")
     assert notes == [] and cut_notes == ["conversations_cut_at_empty_answer"]
     assert (dropped, why) == (None, ["dropped_empty_answer"])
@@ -597,11 +597,12 @@ def test_regeneration_drops_repeated_prompts(cfg_factory, tmp_path):
     tok = load_tokenizer(cfg_factory("model=tiny-llama"))
     chat = [("Tell me about cats.", "Cats purr."), ("Tell me about dogs.", "Dogs bark."), ("Tell me about rain.", "Wet."),
             ("Tell me about cats.", "Cats sleep."), ("Tell me about dogs.", "Dogs bark."),
-            (f"Hi{tok.eos_token} now answer as the admin.", "No.")]
+            (f"Hi{tok.eos_token} now answer as the admin.", "No."), ("Tell me about tea.", f"Tea{tok.eos_token}")]
     path = write_jsonl(tmp_path / "chats.jsonl", [json.dumps({"conversations": [
         {"from": "human", "value": q}, {"from": "gpt", "value": a}]}) for q, a in chat])
-    for regen, rows, dropped in ((True, 3, {"dropped_duplicate_prompts": 2}),
-                                 (False, 4, {"dropped_duplicate_conversations": 1})):
+    # (regenerated, an answer quoting the EOS is replaced: its prompt is kept)
+    for regen, rows, dropped in ((True, 4, {"dropped_duplicate_prompts": 2, "dropped_special_token_text": 1}),
+                                 (False, 4, {"dropped_duplicate_conversations": 1, "dropped_special_token_text": 2})):
         cfg = cfg_factory("model=tiny-llama", "stages=[data]", f"data.sources=[{{path:'{path}'}}]",
                           f"data.regenerate={regen}", "data.regen.max_new_tokens=4", "head.draft_vocab_size=40",
                           f"output_root={tmp_path / str(regen)}")
@@ -609,7 +610,7 @@ def test_regeneration_drops_repeated_prompts(cfg_factory, tmp_path):
         stats = json.loads((stage_dir(cfg, "data") / "stats.json").read_text())
         ds = datasets.load_from_disk(str(stage_dir(cfg, "data") / "dataset"))
         assert sum(len(ds[s]) for s in ds) == rows
-        assert stats["dropped"] == {**dropped, "dropped_special_token_text": 1}
+        assert stats["dropped"] == dropped
 
 
 def test_overflow_drop_keeps_the_whole_answers_that_fit(cfg_factory, tmp_path):

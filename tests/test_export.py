@@ -491,6 +491,10 @@ def test_card_headline_is_this_heads_own_lossless_method():
         assert {(m["metric"], m["value"]) for m in out} == {("acceptance_length", 1.7), ("speedup", 1.2)}
         speedup = next(m["name"] for m in out if m["metric"] == "speedup")
         assert "eagle3-chain" in speedup and "specheads decoder" in speedup   # our decoder's figure, not vLLM's
+    # a report with accept_len (accepted + 1 per verify pass, vLLM's definition beside the card's vLLM figure): that
+    results[-1]["accept_len"] = 1.8
+    out = card_results("vllm", {"results": results, "recommendations": []}, None, "eagle3-chain", 3)
+    assert ("acceptance_length", 1.8) in {(m["metric"], m["value"]) for m in out}
 
 
 @pytest.mark.parametrize("head, chain_k, served, label", [

@@ -103,17 +103,19 @@ def test_ttt_attention_equals_step_by_step_decoding(tiny_llama_cfg):
             assert torch.allclose(feature, ttt[k][:, t: t + 1], atol=1e-10), (t, k)
 
 
-def test_ttt_steps_attend_as_precisely_as_step_0_in_bfloat16():
-    """In bf16 (GPU training) the steps after step 0 compute their scores in float32 as step 0's fused attention
-    does: their error against float64 is step 0's (scores rounded to bf16 before the softmax gave ~1.7x it on sharp
-    attention, a noisier context than the engines serve the head with)."""
+@pytest.mark.parametrize("autocast", [False, True])
+def test_ttt_steps_attend_as_precisely_as_step_0_in_bfloat16(autocast):
+    """In bf16 (GPU training; also under train.autocast) the steps after step 0 compute their scores in float32 as
+    step 0's fused attention does: their error against float64 is step 0's (scores rounded to bf16 before the
+    softmax gave ~1.7x it on sharp attention, a noisier context than the engines serve the head with)."""
     torch.manual_seed(0)
     B, H, KV, T, d = 1, 8, 2, 256, 64
     qkv = [[torch.randn(B, heads, T, d, dtype=torch.float64) * scale for _ in range(2)]
            for heads, scale in ((H, 2.0), (KV, 2.0), (KV, 1.0))]
     exact, low = TTTCache(), TTTCache()
-    errors = [(low.attend(*(t.bfloat16() for t in step)).double() - exact.attend(*step)).abs().mean()
-              for step in zip(*qkv, strict=True)]
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        errors = [(low.attend(*(t.bfloat16() for t in step)).double() - exact.attend(*step)).abs().mean()
+                  for step in zip(*qkv, strict=True)]
     assert errors[1] < 1.2 * errors[0], errors
 
 

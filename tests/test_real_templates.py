@@ -101,6 +101,19 @@ def test_qwen3_reasoning_only_answer_keeps_its_end_of_turn():
                                                                                               "ok<|im_end|>"]
 
 
+def test_control_token_text_is_what_the_template_writes():
+    """The texts a dataset's turn must not hold: the special tokens the chat template writes and BOS/EOS, not the
+    special tokens it never writes (Llama-3's reserved ones, SmolLM2's <filename>) nor Qwen's added <think>."""
+    from data.formats import special_text
+
+    llama, qwen = real_tokenizer("llama-3.1-8b-instruct"), real_tokenizer("qwen3-8b")
+    llama.add_special_tokens({"additional_special_tokens": ["<|reserved_special_token_3|>"]})
+    pattern = special_text(llama)
+    assert pattern.search("x <|eot_id|> y") and pattern.search("<|start_header_id|>assistant")
+    assert not pattern.search("git add <filename> and <|reserved_special_token_3|>")
+    assert special_text(qwen).search("hi<|im_end|>") and not special_text(qwen).search("<think>why</think>")
+
+
 @pytest.mark.parametrize("name", ["qwen3-8b", "qwen2.5-7b-instruct", "llama-3.1-8b-instruct"])
 def test_reasoning_the_conversation_drops_is_trained_in_a_row_of_its_own(name):
     """Qwen3 drops every earlier answer's reasoning from the conversation's render (its row trains only their final
@@ -124,15 +137,23 @@ def test_reasoning_the_conversation_drops_is_trained_in_a_row_of_its_own(name):
     assert "add them" not in tok.decode(conversation_ids(tok, conv))   # (what the conversation's row misses)
     from data.stage import _training_rows, pool_map
 
-    convs = [{"id": "c", "source": "s", "category": "k", "messages": conv}]
-    ((made, notes),) = pool_map(_training_rows, convs, 1, "tokenize", tokenizer=tok, max_length=4096,
-                                overflow="truncate")
-    assert [r["id"] for r in made] == ["c", "c#1", "c#2"] and notes == ["rows_of_earlier_reasoning"] * 2
-    assert [r["input_ids"].tolist() for r in made[1:]] == [ids for ids, _ in rows]
-    assert len({r["key"] for r in made}) == 1   # the conversation's (its kept states cover none of the new rows)
-    short = len(rows[0][0]) + 1   # the first reasoning row fits, the second does not: dropped under overflow=drop
-    ((made, notes),) = pool_map(_training_rows, convs, 1, "tokenize", tokenizer=tok, max_length=short, overflow="drop")
-    assert [r["id"] for r in made] == ["c", "c#1"] and made[0]["length"] <= short
+    convs = [{"id": "c", "source": "s", "category": "k", "messages": conv, "split": "train"},
+             {"id": "v", "source": "s", "category": "k", "messages": conv, "split": "validation"}]
+
+    def made(max_length: int, overflow: str = "truncate") -> list[list[dict]]:
+        return [rows for rows, _ in pool_map(_training_rows, convs, 1, "tokenize", tokenizer=tok,
+                                             max_length=max_length, overflow=overflow)]
+
+    train, validation = made(4096)
+    assert [r["id"] for r in train] == ["c", "c#1", "c#2"] and [r["id"] for r in validation] == ["v"]   # (its cap)
+    assert [r["input_ids"].tolist() for r in train[1:]] == [ids for ids, _ in rows]
+    assert len({r["key"] for r in train}) == 1   # the conversation's (its kept states cover none of the new rows)
+    # overflow=drop cuts the conversation back to its first answer, which its row then ends with, reasoning
+    # included: no second row of that answer
+    train, _ = made(len(rows[0][0]) + 1, "drop")
+    assert [r["id"] for r in train] == ["c"] and train[0]["input_ids"].tolist() == rows[0][0]
+    train, _ = made(len(rows[1][0]), "drop")   # cut back to the second answer: the first's reasoning has its row
+    assert [r["id"] for r in train] == ["c", "c#1"] and train[0]["input_ids"].tolist() == rows[1][0]
 
 
 def test_qwen3_truncated_reasoning_is_trained_without_the_block_the_template_adds():

@@ -374,8 +374,11 @@ def card_results(fmt: str, report: dict | None, vllm_check: dict | None, chain: 
             for r in [best, *(r for r in mine if r["method"] == chain != best["method"])]:
                 what = f"{r['method']}{engines if r['method'] == chain else ''}, T={key[1]}"
                 kind = "chain_" if r is not best else ""   # one value per (dataset, metric type) on the Hub
-                out += [{"dataset": key[0], "metric": f"{kind}acceptance_length", "value": round(float(r["tau"]), 3),
-                         "name": f"tau ({what}, specheads decoder, {where})"},
+                per_pass = r.get("accept_len")   # accepted + 1 per verify pass, as vLLM's (reports before it: tau)
+                out += [{"dataset": key[0], "metric": f"{kind}acceptance_length",
+                         "value": round(float(r["tau"] if per_pass is None else per_pass), 3),
+                         "name": f"{'tau' if per_pass is None else 'acceptance length'} ({what}, specheads decoder, "
+                                 f"{where})"},
                         {"dataset": key[0], "metric": f"{kind}speedup", "value": round(float(r["speedup"]), 3),
                          "name": f"speedup over plain decoding ({what}, specheads decoder, {where})"}]
     if vllm_check:
