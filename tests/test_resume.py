@@ -79,6 +79,8 @@ def fp(name: str, *overrides: str, tmp: Path) -> str:
     ("eval", "eval.min_speedup=1.5", True),              # the report's recommendation (its decodes are kept)
     ("eval", "eval.num_threads=1", False),
     ("eval", "eval.limit=3", True),
+    ("eval", "eval.top_k=20", False),                    # greedy only (the default): no sampling filter applies
+    ("eval", "eval.top_p=0.9", False),
     ("export", "publish.repo_id=me/heads", True),       # the model card's serve commands name the repo
     ("export", "model.hub_id=org/target", True),        # and the target
     ("export", "publish.private=true", False),
@@ -87,6 +89,12 @@ def fp(name: str, *overrides: str, tmp: Path) -> str:
 ])
 def test_fingerprints_count_only_what_changes_the_result(tmp_path, stage, override, counts):
     assert (fp(stage, override, tmp=tmp_path) != fp(stage, tmp=tmp_path)) is counts
+
+
+def test_sampling_filters_count_where_the_eval_samples(tmp_path):
+    sampled = "eval.temperatures=[0.0,0.7]"
+    assert fp("eval", sampled, "eval.top_k=20", tmp=tmp_path) != fp("eval", sampled, tmp=tmp_path)
+    assert fp("eval", sampled, "eval.top_p=0.9", tmp=tmp_path) != fp("eval", sampled, tmp=tmp_path)
 
 
 def test_a_shard_is_the_same_wherever_its_target_loads_from_and_another_in_another_precision(tmp_path):
