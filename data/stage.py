@@ -172,7 +172,7 @@ def _training_row(conv: dict) -> tuple[dict | None, list[str], list[dict]]:
         return None, ["dropped_no_assistant_tokens"], []
     # the key of the whole conversation: the states kept while regenerating it may cover a cut one (data/captured.py)
     return {"id": conv["id"], "source": conv["source"], "category": conv["category"],
-            "key": prompt_key(conv["messages"]), "input_ids": np.asarray(ids, dtype=np.int32),
+            "key": conv.get("key") or prompt_key(conv["messages"]), "input_ids": np.asarray(ids, dtype=np.int32),
             "loss_mask": np.asarray(mask, dtype=np.int8), "length": len(ids)}, notes, messages
 
 
@@ -308,7 +308,8 @@ def run(cfg: DictConfig) -> dict:
                              "a rerun regenerates it")
         for conv, key in zip(convs, keys, strict=True):
             row = cached[key]
-            conv["messages"] = row["messages"]
+            conv["messages"], conv["key"] = row["messages"], key   # (a conversation cut at max_length lacks the
+            #                                                           later user turns its cache key was made of)
             # answers the target did not end (not the one cut at max_length, a conversation_cut_at_max_length)
             counts["answers_truncated"] += sum(bool(m.get("truncated")) for m in row["messages"]) - ("capped" in row)
             counts["conversations_cut_at_max_length"] += int("cut_at_length" in row)

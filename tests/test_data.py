@@ -635,6 +635,29 @@ def test_overflow_drop_keeps_the_whole_answers_that_fit(cfg_factory, tmp_path):
     assert stats["dropped"] == {"dropped_too_long": 1} and stats["modified"]["conversations_cut_to_fit"] == 1
 
 
+def test_a_row_cut_at_max_length_keeps_its_conversations_key(cfg_factory, tmp_path):
+    """A conversation regeneration ended at max_length (its next prompt would fill it) lacks its later user turns in
+    the cache; its row's key is still the conversation's (the cache's key, which the states kept for it carry)."""
+    import datasets
+
+    from data.formats import prompt_key
+    from data.template import prompt_ids
+
+    tok = load_tokenizer(cfg_factory("model=tiny-llama"))
+    users = [{"role": "user", "content": "Hi."}, {"role": "user", "content": "Tell me more " * 30},
+             {"role": "user", "content": "Bye."}]
+    path = write_jsonl(tmp_path / "chats.jsonl", [json.dumps({"turns": [u["content"] for u in users]})])
+    limit = len(prompt_ids(tok, users[:1])) + 40
+    cfg = cfg_factory("model=tiny-llama", "stages=[data]", f"data.sources=[{{path:'{path}'}}]",
+                      "data.regen.max_new_tokens=4", f"data.max_length={limit}", "head.draft_vocab_size=40",
+                      "data.validation_fraction=0")
+    run_stages(cfg)
+    (row,) = datasets.load_from_disk(str(stage_dir(cfg, "data") / "dataset"))["train"]
+    assert row["length"] < limit and row["key"] == prompt_key(users)
+    assert json.loads((stage_dir(cfg, "data") / "stats.json").read_text())["modified"][
+        "conversations_cut_at_max_length"] == 1
+
+
 def test_processes_tokenize_what_one_process_does(cfg_factory, tmp_path):
     """data.num_proc > 1 (forked workers render and tokenize the conversations, and check the eval overlap):
     the same dataset, counts and stats as in one process."""
