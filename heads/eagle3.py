@@ -12,6 +12,8 @@ training-time test, :class:`KVCache` for decoding (tree masks). The head holds n
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -152,6 +154,25 @@ class TTTCache:
         return torch.cat(out, 3).flatten(1, 2)
 
 
+@contextmanager
+def _tensor_core_products(x: torch.Tensor) -> Iterator[None]:
+    """Float32 matrix products of ``x``'s bf16/fp16 values on a GPU's tensor cores (TF32), not its float32 units (the
+    default; an H100's run at ~1/7 of its dense TF32 rate: at 7B with 8k-token micro-batches, TTT's scores in IEEE
+    float32 would take about as long as the head's lm_head, by FLOP count; not measured). Such values are exact in TF32
+    (8-bit exponent, 10-bit mantissa), so their products are float32's and accumulate in float32: IEEE float32's
+    precision at TF32's speed. Elsewhere (the CPU, float32 or float64 values) nothing changes."""
+    if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16):
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_tf32
+    matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = before
+
+
 def _ttt_chunk(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
     """Rows [e - C, e) of a TTT step k > 0. q [B, kv, groups, C, d]; k0/v0 [B, kv, e, d] (step-0 keys up
     to the chunk's last row); dk/dv [B, kv, C, k, d] (each row's diagonal keys). Returns [B, kv, groups, C, d]."""
@@ -160,10 +181,9 @@ def _ttt_chunk(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, dk: torch.Te
     causal = torch.arange(e, device=q.device) <= torch.arange(e - C, e, device=q.device)[:, None]
     # Scores in float32 at least, as step 0's fused attention (and the engines serving the head) keeps them: bf16
     # scores rounded q.k before the softmax (steps 1+ had ~1.7x step 0's output error in bf16). The chunk's copies
-    # are small beside its scores.
-    # (autocast off: it would run the products in bf16 again under train.autocast)
+    # are small beside its scores. (Autocast off: it would run the products in bf16 again under train.autocast.)
     wide = torch.promote_types(q.dtype, torch.float32)
-    with torch.autocast(q.device.type, enabled=False):
+    with torch.autocast(q.device.type, enabled=False), _tensor_core_products(q):
         qw = q.to(wide)
         s0 = torch.einsum("bngcd,bnkd->bngck", qw, k0.to(wide)).mul_(scale).masked_fill_(~causal, float("-inf"))
         sd = torch.einsum("bngcd,bncjd->bngcj", qw, dk.to(wide)) * scale

@@ -119,6 +119,28 @@ def test_ttt_steps_attend_as_precisely_as_step_0_in_bfloat16(autocast):
     assert errors[1] < 1.2 * errors[0], errors
 
 
+def test_ttt_scores_of_bf16_values_use_tensor_cores_and_float32_ones_do_not():
+    """On a GPU the float32 score products of bf16/fp16 values run as TF32 (exact for such values), only inside the
+    chunk (the flag is restored, also after an error); float32 values (a float32 run) keep IEEE float32."""
+    from types import SimpleNamespace
+
+    from heads.eagle3 import _tensor_core_products
+
+    matmul = torch.backends.cuda.matmul
+    assert not matmul.allow_tf32   # (PyTorch's default)
+
+    def inside(dtype: torch.dtype, device: str = "cuda") -> bool:
+        with _tensor_core_products(SimpleNamespace(device=torch.device(device), dtype=dtype)):
+            return matmul.allow_tf32
+
+    assert inside(torch.bfloat16) and inside(torch.float16) and not matmul.allow_tf32
+    assert not inside(torch.float32) and not inside(torch.bfloat16, "cpu")
+    with pytest.raises(RuntimeError), _tensor_core_products(SimpleNamespace(device=torch.device("cuda"),
+                                                                            dtype=torch.bfloat16)):
+        raise RuntimeError("out of memory")
+    assert not matmul.allow_tf32
+
+
 def reference_ttt_cache() -> type:
     """The O(T^2) TTT attention kept as reference in scripts/bench_ttt_attention.py."""
     return load_script("bench_ttt_attention").ReferenceTTTCache
