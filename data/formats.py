@@ -431,18 +431,20 @@ def conversation_key(messages: list[dict]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def special_text(tokenizer) -> re.Pattern | None:
+def special_text(tokenizer, eos: Iterable[int] = ()) -> re.Pattern | None:
     """The texts of the tokenizer's control tokens (the special tokens its chat template writes: ``<|im_end|>``,
     ``<|eot_id|>``; and its BOS, EOS, PAD and UNK), as one pattern: in a dataset's turn (LMSYS-Chat and WildChat hold
     prompt injections, answers quote ``<|endoftext|>``) the tokenizer reads them as the control tokens themselves, so
     a user turn could forge an end of turn and an assistant header, and an answer's mask would end at the forged end
     of turn. Special tokens the template never writes (SmolLM2's ``<filename>``, Llama-3's reserved ones) are not
-    control tokens: a prompt about ``git add <filename>`` is kept. None when there are none."""
+    control tokens: a prompt about ``git add <filename>`` is kept; ``eos``: the ids generation stops at (Llama-3.1's
+    ``<|end_of_text|>``, in its generation config only) are. None when there are none."""
     template = str(getattr(tokenizer, "chat_template", None) or "")
     texts = {t.content for t in tokenizer.added_tokens_decoder.values()
              if t.special and t.content.strip() and t.content in template}
     texts |= {t for t in (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, tokenizer.unk_token)
               if isinstance(t, str) and t.strip()}
+    texts |= {t.content for i, t in tokenizer.added_tokens_decoder.items() if i in set(eos) and t.content.strip()}
     return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True)))) if texts else None
 
 

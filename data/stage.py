@@ -31,7 +31,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_file
 
-from data.engines import RegenError, engine_client, regenerate_answers
+from data.engines import RegenError, engine_client, generation_config, regenerate_answers
 from data.formats import (
     DataError,
     conversation_key,
@@ -44,7 +44,7 @@ from data.formats import (
     special_text,
     to_messages,
 )
-from data.regenerate import cache_file, found_cache, read_cache
+from data.regenerate import cache_file, eos_ids, found_cache, read_cache
 from data.synth import Synthesizer
 from data.template import check_template, earlier_reasoning, set_thinking, tokenize_conversation, with_system
 from data.vocab import coverage_curve
@@ -242,14 +242,14 @@ def read_conversations(cfg: DictConfig, synth: Synthesizer, tokenizer) -> tuple[
     workers = worker_count(dcfg, len(convs), side_by_side=shares_work(cfg, "data"))
     leaked = (list(pool_map(_leaks, convs, workers, "eval overlap", eval_prompts=eval_prompts))
               if eval_prompts else [False] * len(convs))
-    prompts, special = set(), special_text(tokenizer)
+    prompts, special = set(), special_text(tokenizer, eos_ids(tokenizer, generation_config(cfg)))
     for conv, leak in zip(convs, leaked, strict=True):
         if leak:
             counts["dropped_eval_overlap"] += 1
             continue
         if special and any(special.search(m["content"]) for m in conv["messages"]   # (regenerated: the prompts only)
                            if not (dcfg.regenerate and m["role"] == "assistant")
-                           and not (dcfg.system_prompt is not None and m["role"] == "system")):
+                           and not (dcfg.system_prompt and m["role"] == "system")):   # (replaced: with_system)
             counts["dropped_special_token_text"] += 1
             continue
         # One answer per prompt when regenerating; without, a row repeated whole (ShareGPT dumps hold copies) is

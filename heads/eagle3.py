@@ -160,7 +160,9 @@ def _tensor_core_products(x: torch.Tensor) -> Iterator[None]:
     default; an H100's run at ~1/7 of its dense TF32 rate: at 7B with 8k-token micro-batches, TTT's scores in IEEE
     float32 would take about as long as the head's lm_head, by FLOP count; not measured). Such values are exact in TF32
     (8-bit exponent, 10-bit mantissa), so their products are float32's and accumulate in float32: IEEE float32's
-    precision at TF32's speed. Elsewhere (the CPU, float32 or float64 values) nothing changes."""
+    precision at TF32's speed, in the forward and its recompute; the backward's products (of float32 gradients, not
+    exact in TF32) run after the chunk, in IEEE float32. Elsewhere (the CPU, float32 or float64 values) nothing
+    changes."""
     if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16):
         yield
         return

@@ -108,10 +108,14 @@ def test_control_token_text_is_what_the_template_writes():
 
     llama, qwen = real_tokenizer("llama-3.1-8b-instruct"), real_tokenizer("qwen3-8b")
     llama.add_special_tokens({"additional_special_tokens": ["<|reserved_special_token_3|>"]})
+    qwen.add_special_tokens({"additional_special_tokens": ["<filename>"]})   # (SmolLM2's StarCoder tokens)
     pattern = special_text(llama)
     assert pattern.search("x <|eot_id|> y") and pattern.search("<|start_header_id|>assistant")
-    assert not pattern.search("git add <filename> and <|reserved_special_token_3|>")
-    assert special_text(qwen).search("hi<|im_end|>") and not special_text(qwen).search("<think>why</think>")
+    assert pattern.search("<|begin_of_text|>hi")   # the template writes it through bos_token
+    assert not pattern.search("reserved: <|reserved_special_token_3|>")
+    end_of_text = llama.convert_tokens_to_ids("<|end_of_text|>")   # Llama-3.1's generation config stops at it too
+    assert not pattern.search("a <|end_of_text|>") and special_text(llama, {end_of_text}).search("a <|end_of_text|>")
+    assert special_text(qwen).search("hi<|im_end|>") and not special_text(qwen).search("git add <filename>")
 
 
 @pytest.mark.parametrize("name", ["qwen3-8b", "qwen2.5-7b-instruct", "llama-3.1-8b-instruct"])

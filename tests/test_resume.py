@@ -92,6 +92,11 @@ def test_fingerprints_count_only_what_changes_the_result(tmp_path, stage, overri
 
 
 def test_sampling_filters_count_where_the_eval_samples(tmp_path):
+    from train.stages import flat_config
+
+    # greedy: at their defaults (an eval marker made before the rule keeps its fingerprint)
+    flat = flat_config(make_cfg([*BASE, "eval.top_p=0.9", "eval.top_k=20"], tmp_path), "eval")
+    assert flat["eval.top_p"] == 1.0 and "eval.top_k" not in flat
     sampled = "eval.temperatures=[0.0,0.7]"
     assert fp("eval", sampled, "eval.top_k=20", tmp=tmp_path) != fp("eval", sampled, tmp=tmp_path)
     assert fp("eval", sampled, "eval.top_p=0.9", tmp=tmp_path) != fp("eval", sampled, tmp=tmp_path)

@@ -511,13 +511,16 @@ def model_card(fmt: str, cfg: DictConfig, c: Eagle3Config | MedusaConfig, report
                      else "") + "."]
     lines += ["", "## Measured (built-in decoder, this project's eval stage)", ""]
     if report:
-        lines += ["| dataset | method | temperature | tau | tokens/s | plain tokens/s | speedup |", "|---|---|---|---|---|---|---|"]
+        lines += ["| dataset | method | temperature | tau | acceptance length | tokens/s | plain tokens/s | speedup |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in report.get("results", []):
             if r.get("category") == "all":
                 method = f"{r['method']} (hybrid: head + n-gram)" if hybrid(r["method"]) else r["method"]
-                lines.append(f"| {r['dataset']} | {method} | {r['temperature']} | {r['tau']:.2f} | "
+                per_pass = "-" if r.get("accept_len") is None else f"{r['accept_len']:.2f}"
+                lines.append(f"| {r['dataset']} | {method} | {r['temperature']} | {r['tau']:.2f} | {per_pass} | "
                              f"{r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
-        lines.append(f"\nMeasured on {report.get('device')} ({report.get('dtype')}).")
+        lines.append(f"\nMeasured on {report.get('device')} ({report.get('dtype')}). tau: new tokens per target pass, "
+                     "the prefill's included; acceptance length: per verify pass (accepted drafts + 1), as vLLM reports it.")
     else:
         lines.append("No evaluation report of this head was found when this export was written.")
     if any(r["name"].startswith("tau in ") for r in results):

@@ -172,8 +172,9 @@ def config_parts(cfg: DictConfig, name: str, ignore: tuple[str, ...] = (), legac
         value = OmegaConf.select(cfg, key)
         parts[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
     ignored = [k for k in IGNORED.get(name, []) if not (legacy and k == "publish.token")]   # (counted before 2026-12-07)
-    if name == "eval" and not any(OmegaConf.select(cfg, "eval.temperatures", default=None) or []):
-        ignored += ["eval.top_p", "eval.top_k"]   # greedy only: the sampling filters change nothing (a preset's)
+    if name == "eval" and isinstance(parts.get("eval"), dict) and not any(parts["eval"].get("temperatures") or []):
+        parts["eval"]["top_p"] = 1.0   # greedy only: the sampling filters change nothing (a preset's Qwen3 settings);
+        parts["eval"].pop("top_k", None)   # at their defaults, the fingerprint of the markers made before them
     dropped = [*ignored, *ignore] + [k for k, v in ADDED.items() if OmegaConf.select(cfg, k, default=v) == v]
     for key in dropped:
         dep = next((d for d in DEPENDS[name] if key == d or key.startswith(d + ".")), None)
