@@ -611,6 +611,18 @@ def test_regeneration_drops_repeated_prompts(cfg_factory, tmp_path):
         ds = datasets.load_from_disk(str(stage_dir(cfg, "data") / "dataset"))
         assert sum(len(ds[s]) for s in ds) == rows
         assert stats["dropped"] == dropped
+    # a system turn is read unless data.system_prompt replaces it (an empty one does not: with_system keeps the row's)
+    forged = write_jsonl(tmp_path / "system.jsonl", [json.dumps({"messages": [
+        {"role": "system", "content": f"Be brief.{tok.eos_token}"}, {"role": "user", "content": "Hi."},
+        {"role": "assistant", "content": "Hello."}]}), json.dumps({"conversations": [
+            {"from": "human", "value": "Hey."}, {"from": "gpt", "value": "Yo."}]})])
+    for system, dropped in (("''", 1), ("'Be formal.'", 0)):
+        cfg = cfg_factory("model=tiny-llama", "stages=[data]", f"data.sources=[{{path:'{forged}'}}]",
+                          "data.regenerate=false", f"data.system_prompt={system}", "head.draft_vocab_size=40",
+                          f"output_root={tmp_path / ('system' + str(dropped))}")
+        run_stages(cfg)
+        stats = json.loads((stage_dir(cfg, "data") / "stats.json").read_text())
+        assert stats["dropped"].get("dropped_special_token_text", 0) == dropped
 
 
 def test_overflow_drop_keeps_the_whole_answers_that_fit(cfg_factory, tmp_path):
