@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import glob
 import gzip
 import hashlib
 import json
@@ -175,22 +176,55 @@ def _kind(path: Path) -> str:
     return suffixes[-1] if suffixes else ""
 
 
-def read_rows(path: str | Path, on_error: str, errors: Counter) -> Iterator[tuple[str, object]]:
-    """(where, row) from a .jsonl/.json/.parquet file (optionally .gz), or every such file of a folder (shards, in
-    name order); malformed JSON lines raise a DataError naming file and line, or are counted in
-    ``errors["malformed_json"]`` with on_error=skip. A .json file of JSON lines is read as one."""
+ROW_FILES = (".jsonl", ".json", ".parquet")
+# A file named for a split (ultrachat_200k's train_sft / test_gen, a dataset's validation.jsonl)
+SPLIT_NAME = re.compile(r"(?<![a-z])(train|test|validation|valid|val|dev)(?![a-z])")
+
+
+def source_files(path: str | Path, warn: bool = False) -> list[Path]:
+    """The files a source's ``path`` names: a file; every .jsonl/.json/.parquet file of a folder (shards, in name
+    order; metadata and hidden files left out); or those of what a glob pattern matches (``data/train_sft-*``: one
+    split of a downloaded dataset). A folder whose files are named for several splits is read whole; ``warn``: with
+    a warning naming a pattern that reads one."""
     path = Path(path)
+    if not path.exists() and glob.has_magic(str(path)):
+        files = sorted({f for match in glob.glob(str(path), recursive=True)
+                        for f in (source_files(match) if Path(match).is_dir() else [Path(match)])
+                        if _kind(f) in ROW_FILES})
+        if not files:
+            raise DataError(f"no .jsonl, .json or .parquet file matches {path}")
+        return files
     if not path.exists():
         raise DataError(f"data file not found: {path}" + (f" (read as {path.resolve()})" if not path.is_absolute() else ""))
-    kind = _kind(path)
-    if path.is_dir():
-        files = sorted(f for f in path.rglob("*") if f.is_file() and _kind(f) in (".jsonl", ".json", ".parquet")
-                       and f.name not in METADATA_FILES and not any(d.startswith(".") for d in f.relative_to(path).parts))
-        if not files:
-            raise DataError(f"{path}: a folder without .jsonl, .json or .parquet files")
+    if not path.is_dir():
+        return [path]
+    files = sorted(f for f in path.rglob("*") if f.is_file() and _kind(f) in ROW_FILES
+                   and f.name not in METADATA_FILES and not any(d.startswith(".") for d in f.relative_to(path).parts))
+    if not files:
+        raise DataError(f"{path}: a folder without .jsonl, .json or .parquet files")
+    splits = {m.group(1): str(path / str(f.relative_to(path))[:m.end()]) + "*" for f in files
+              if (m := SPLIT_NAME.search(str(f.relative_to(path)).lower()))}
+    if warn and len(splits) > 1:
+        from train.log import log
+
+        log(f"[data] warning: {path} holds files of several splits ({', '.join(sorted(splits))}), all read as one "
+            f"source (a test split trained on); to read one, give the source a pattern: path: "
+            f"'{splits.get('train', next(iter(splits.values())))}'")
+    return files
+
+
+def read_rows(path: str | Path, on_error: str, errors: Counter) -> Iterator[tuple[str, object]]:
+    """(where, row) from a .jsonl/.json/.parquet file (optionally .gz), or from every file :func:`source_files`
+    names; malformed JSON lines raise a DataError naming file and line, or are counted in
+    ``errors["malformed_json"]`` with on_error=skip. A .json file of JSON lines is read as one."""
+    files = source_files(path, warn=True)
+    if len(files) > 1 or files[0] != Path(path):
         for f in files:
             yield from read_rows(f, on_error, errors)
-    elif kind == ".parquet":
+        return
+    path = files[0]
+    kind = _kind(path)
+    if kind == ".parquet":
         import pyarrow.parquet as pq
 
         for b, batch in enumerate(pq.ParquetFile(path).iter_batches(batch_size=1024)):

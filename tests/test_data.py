@@ -219,6 +219,29 @@ def test_json_files_of_lines_single_objects_and_folders_of_shards(tmp_path):
         [U("hi"), A("yo")]]
 
 
+def test_a_downloaded_dataset_of_several_splits_warns_and_a_pattern_reads_one(tmp_path, monkeypatch):
+    """A folder like ultrachat_200k's snapshot (train_sft / test_sft shards) is read whole, with a warning naming a
+    pattern that reads one split; a source's path may be such a pattern (files, or folders whose files it reads); a
+    pattern matching nothing is named."""
+    import train.log
+
+    said = []
+    monkeypatch.setattr(train.log, "log", lambda msg, *a: said.append(msg))
+    data = tmp_path / "ultrachat" / "data"
+    data.mkdir(parents=True)
+    for split in ("train_sft", "test_sft"):
+        write_jsonl(data / f"{split}-00000-of-00001.jsonl", [json.dumps({"prompt": f"{split} {i}"}) for i in range(2)])
+    got = list(read_source({"path": str(tmp_path / "ultrachat")}, "raise", Counter()))
+    assert len(got) == 4 and len(said) == 1 and "several splits (test, train)" in said[0]
+    pattern = said[0].split("path: ")[1].strip("'")
+    assert pattern == f"{data}/train*"
+    one = [c["messages"][0]["content"] for c in read_source({"path": pattern}, "raise", Counter())]
+    assert one == ["train_sft 0", "train_sft 1"]
+    assert len(list(read_source({"path": f"{tmp_path}/ultra*"}, "raise", Counter()))) == 4   # a folder matched
+    with pytest.raises(DataError, match="no .jsonl, .json or .parquet file matches"):
+        list(read_source({"path": f"{data}/validation*"}, "raise", Counter()))
+
+
 def write_jsonl(path, lines):
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -495,10 +495,15 @@ def input_files(cfg: DictConfig) -> dict[str, list[int]]:
     """Path -> [size, mtime_ns] of the local files the data stage reads (``data.sources`` paths, each file of a folder
     of shards, ``eval.questions``): a file edited after the stage ran is named when the stage is skipped (its
     fingerprint holds the config, not the files' contents)."""
+    from data.formats import DataError, source_files
+
     paths = [Path(str(s.path)) for s in cfg.data.sources if s.get("path")]
     if cfg.eval.get("questions"):
         paths.append(Path(str(cfg.eval.questions)))
-    files = [f for p in paths for f in (sorted(p.rglob("*")) if p.is_dir() else [p]) if f.is_file()]
+    files = []
+    for p in paths:
+        with suppress(DataError):   # (a path gone: the data stage names it when it runs)
+            files += source_files(p) if not p.is_dir() else [f for f in sorted(p.rglob("*")) if f.is_file()]
     return {str(f): [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
 
 
