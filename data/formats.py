@@ -28,6 +28,7 @@ import errno
 import glob
 import gzip
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -177,40 +178,61 @@ def _kind(path: Path) -> str:
 
 
 ROW_FILES = (".jsonl", ".json", ".parquet")
-# A file named for a split (ultrachat_200k's train_sft / test_gen, a dataset's validation.jsonl)
-SPLIT_NAME = re.compile(r"(?<![a-z])(train|test|validation|valid|val|dev)(?![a-z])")
+# A file or folder named for a split, its whole name up to a separator (ultrachat_200k's train_sft / train_gen /
+# test_sft shards, a dataset's validation.jsonl, a train/ folder)
+SPLIT_NAME = re.compile(r"(?<![a-z0-9])((?:train|test|validation|valid|val|dev)[a-z0-9_]*)(?=[-./]|$)")
+
+
+def _row_files(folder: Path) -> list[Path]:
+    """The .jsonl/.json/.parquet files under ``folder`` (metadata and hidden files and folders left out)."""
+    return sorted(f for f in folder.rglob("*") if _row_file(f)
+                  and not any(d.startswith(".") for d in f.relative_to(folder).parts))
+
+
+def _row_file(f: Path) -> bool:
+    return f.is_file() and _kind(f) in ROW_FILES and f.name not in METADATA_FILES and not f.name.startswith(".")
 
 
 def source_files(path: str | Path, warn: bool = False) -> list[Path]:
-    """The files a source's ``path`` names: a file; every .jsonl/.json/.parquet file of a folder (shards, in name
-    order; metadata and hidden files left out); or those of what a glob pattern matches (``data/train_sft-*``: one
-    split of a downloaded dataset). A folder whose files are named for several splits is read whole; ``warn``: with
-    a warning naming a pattern that reads one."""
+    """The files a source's ``path`` names: a file; the .jsonl/.json/.parquet files of a folder (shards, in name
+    order; metadata and hidden files left out); or those of the files and folders a glob pattern matches
+    (``data/train_sft-*``: one split of a downloaded dataset). Files named for several splits are read as one
+    source; ``warn``: with a warning naming a pattern that reads one split."""
     path = Path(path)
     if not path.exists() and glob.has_magic(str(path)):
-        files = sorted({f for match in glob.glob(str(path), recursive=True)
-                        for f in (source_files(match) if Path(match).is_dir() else [Path(match)])
-                        if _kind(f) in ROW_FILES})
+        base = Path(*itertools.takewhile(lambda part: not glob.has_magic(part), path.parts))
+        files = sorted({f for match in map(Path, glob.glob(str(path), recursive=True))
+                        for f in (_row_files(match) if match.is_dir() else [match] if _row_file(match) else [])})
         if not files:
             raise DataError(f"no .jsonl, .json or .parquet file matches {path}")
-        return files
-    if not path.exists():
+    elif not path.exists():
         raise DataError(f"data file not found: {path}" + (f" (read as {path.resolve()})" if not path.is_absolute() else ""))
-    if not path.is_dir():
+    elif not path.is_dir():
         return [path]
-    files = sorted(f for f in path.rglob("*") if f.is_file() and _kind(f) in ROW_FILES
-                   and f.name not in METADATA_FILES and not any(d.startswith(".") for d in f.relative_to(path).parts))
-    if not files:
-        raise DataError(f"{path}: a folder without .jsonl, .json or .parquet files")
-    splits = {m.group(1): str(path / str(f.relative_to(path))[:m.end()]) + "*" for f in files
-              if (m := SPLIT_NAME.search(str(f.relative_to(path)).lower()))}
+    else:
+        base, files = path, _row_files(path)
+        if not files:
+            raise DataError(f"{path}: a folder without .jsonl, .json or .parquet files")
+    splits = {m.group(1): f"{base / str(f.relative_to(base))[:m.end()]}*" for f in files
+              if (m := SPLIT_NAME.search(str(f.relative_to(base)).lower()))}
     if warn and len(splits) > 1:
         from train.log import log
 
+        example = next((v for k, v in sorted(splits.items()) if k.startswith("train")), next(iter(splits.values())))
         log(f"[data] warning: {path} holds files of several splits ({', '.join(sorted(splits))}), all read as one "
-            f"source (a test split trained on); to read one, give the source a pattern: path: "
-            f"'{splits.get('train', next(iter(splits.values())))}'")
+            f"source (a test split trained on, a split twice); to read one, give the source a pattern: path: "
+            f"'{example}'")
     return files
+
+
+def source_name(path: str | Path) -> str:
+    """A path source's default name (its rows' ``source`` and id prefix): the file's or folder's stem; a pattern's
+    last component without its wildcards (``train_sft-*`` -> ``train_sft``), else the folder it starts from."""
+    path = Path(path)
+    if path.exists() or not glob.has_magic(str(path)):
+        return path.stem
+    stem = re.sub(r"[*?\[\]]", "", Path(path.name).stem).strip("-_.")
+    return stem or Path(*itertools.takewhile(lambda part: not glob.has_magic(part), path.parts)).name
 
 
 def read_rows(path: str | Path, on_error: str, errors: Counter) -> Iterator[tuple[str, object]]:
@@ -307,7 +329,7 @@ def read_source(source: dict, on_error: str, errors: Counter, synth=None) -> Ite
     elif source.get("hf"):
         rows, name = _hub_rows(source), source["hf"]
     elif source.get("path"):
-        rows, name = read_rows(source["path"], on_error, errors), Path(source["path"]).stem
+        rows, name = read_rows(source["path"], on_error, errors), source_name(source["path"])
     else:
         raise DataError(f"a data source needs type: builtin|humaneval|synth, path: or hf:, got {dict(source)}")
     name = source.get("name", name)
@@ -478,7 +500,8 @@ def special_text(tokenizer, eos: Iterable[int] = ()) -> re.Pattern | None:
              if t.special and t.content.strip() and t.content in template}
     texts |= {t for t in (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, tokenizer.unk_token)
               if isinstance(t, str) and t.strip()}
-    texts |= {t.content for i, t in tokenizer.added_tokens_decoder.items() if i in set(eos) and t.content.strip()}
+    eos = set(eos)
+    texts |= {t.content for i, t in tokenizer.added_tokens_decoder.items() if i in eos and t.content.strip()}
     return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True)))) if texts else None
 
 

@@ -229,15 +229,20 @@ def test_a_downloaded_dataset_of_several_splits_warns_and_a_pattern_reads_one(tm
     monkeypatch.setattr(train.log, "log", lambda msg, *a: said.append(msg))
     data = tmp_path / "ultrachat" / "data"
     data.mkdir(parents=True)
-    for split in ("train_sft", "test_sft"):
+    (tmp_path / "ultrachat" / "images").mkdir()   # no rows: skipped where a pattern matches it
+    (tmp_path / "ultrachat" / "dataset_infos.json").write_text(json.dumps({"default": {}}))   # not rows
+    for split in ("train_sft", "train_gen", "test_sft"):
         write_jsonl(data / f"{split}-00000-of-00001.jsonl", [json.dumps({"prompt": f"{split} {i}"}) for i in range(2)])
     got = list(read_source({"path": str(tmp_path / "ultrachat")}, "raise", Counter()))
-    assert len(got) == 4 and len(said) == 1 and "several splits (test, train)" in said[0]
+    assert len(got) == 6 and len(said) == 1 and "several splits (test_sft, train_gen, train_sft)" in said[0]
     pattern = said[0].split("path: ")[1].strip("'")
-    assert pattern == f"{data}/train*"
-    one = [c["messages"][0]["content"] for c in read_source({"path": pattern}, "raise", Counter())]
-    assert one == ["train_sft 0", "train_sft 1"]
-    assert len(list(read_source({"path": f"{tmp_path}/ultra*"}, "raise", Counter()))) == 4   # a folder matched
+    assert pattern == f"{data}/train_gen*"
+    one = list(read_source({"path": pattern}, "raise", Counter()))
+    assert [c["messages"][0]["content"] for c in one] == ["train_gen 0", "train_gen 1"] and len(said) == 1
+    assert {c["source"] for c in one} == {"train_gen"}   # the pattern's name, not "train_gen*"
+    said.clear()
+    assert len(list(read_source({"path": f"{tmp_path}/ultrachat/*"}, "raise", Counter()))) == 6   # folders matched
+    assert len(said) == 1   # (a pattern reading several splits is named too)
     with pytest.raises(DataError, match="no .jsonl, .json or .parquet file matches"):
         list(read_source({"path": f"{data}/validation*"}, "raise", Counter()))
 

@@ -192,13 +192,13 @@ def test_own_data_with_the_defaults_gets_train_and_validation(tmp_path):
 
 def test_a_data_file_edited_after_the_data_stage_is_named_when_it_is_skipped(tmp_path, caplog):
     """The data stage's fingerprint holds its config, not its files: rows appended to a source file were skipped
-    without a word (the run trained on the rows read before)."""
+    without a word (the run trained on the rows read before); so would a new file its pattern matches."""
     from tests.conftest import make_cfg
     from train.stages import run_stages
 
-    path = tmp_path / "my_prompts.jsonl"
+    path = tmp_path / "my_prompts-0.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"Topic {i}."}) + "\n" for i in range(6)))
-    cfg = make_cfg(["model=tiny-llama", "stages=[data]", f"data.sources=[{{path:'{path}'}}]",
+    cfg = make_cfg(["model=tiny-llama", "stages=[data]", f"data.sources=[{{path:'{tmp_path}/my_prompts-*'}}]",
                     "data.regen.max_new_tokens=8"], tmp_path)
     with caplog.at_level("INFO", logger="specheads"):
         run_stages(cfg)
@@ -207,10 +207,13 @@ def test_a_data_file_edited_after_the_data_stage_is_named_when_it_is_skipped(tmp
         with open(path, "a") as f:
             f.write(json.dumps({"prompt": "A new topic."}) + "\n")
         run_stages(cfg)
+        (tmp_path / "my_prompts-1.jsonl").write_text(json.dumps({"prompt": "Another topic."}) + "\n")
+        caplog.clear()
+        run_stages(cfg)
     assert [r.message for r in caplog.records if "input file(s) changed" in r.message] == [
-        f"[data] warning: 1 input file(s) changed since the data stage read them (size or time; the first: {path}): "
-        "this run goes on with the rows read then; add force=[data] to read them again (answers regenerated before "
-        "are taken from the cache)"]
+        f"[data] warning: 2 input file(s) changed or added since the data stage read them (size or time; the first: "
+        f"{path}): this run goes on with the rows read then; add force=[data] to read them again (answers "
+        "regenerated before are taken from the cache)"]
 
 
 @pytest.mark.parametrize("env, device, gpus, error", [

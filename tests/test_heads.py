@@ -119,12 +119,30 @@ def test_ttt_steps_attend_as_precisely_as_step_0_in_bfloat16(autocast):
     assert errors[1] < 1.2 * errors[0], errors
 
 
-def test_ttt_scores_of_bf16_values_use_tensor_cores_and_float32_ones_do_not():
+def test_ttt_scores_of_bf16_values_use_tensor_cores_and_float32_ones_do_not(monkeypatch):
     """On a GPU the float32 score products of bf16/fp16 values run as TF32 (exact for such values), only inside the
-    chunk (the flag is restored, also after an error); float32 values (a float32 run) keep IEEE float32."""
+    chunk (the flag is restored, also after an error); float32 values (a float32 run) keep IEEE float32. A TTT step
+    1+ enters it for each chunk's forward and again for its recompute in the backward."""
+    from contextlib import contextmanager
     from types import SimpleNamespace
 
+    import heads.eagle3
     from heads.eagle3 import _tensor_core_products
+
+    entered = []
+
+    @contextmanager
+    def record(x):
+        entered.append(x.dtype)
+        yield
+
+    monkeypatch.setattr(heads.eagle3, "_tensor_core_products", record)
+    cache, (q, k, v) = TTTCache(chunk_rows=4), [torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3)]
+    out = [cache.attend(q, k, v) for _ in range(2)]   # step 0 (fused), step 1 (two chunks of 4 rows)
+    assert len(entered) == 2
+    out[1].sum().backward()
+    assert len(entered) == 4   # each chunk recomputed in the backward
+    monkeypatch.undo()
 
     matmul = torch.backends.cuda.matmul
     assert not matmul.allow_tf32   # (PyTorch's default)

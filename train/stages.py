@@ -363,8 +363,10 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
         if marker:
             log(f"[{name}] up to date in {stage_dir(cfg, name)}; skipped")
             now = input_files(cfg) if name == "data" and dist.is_main() else None
-            if now is not None and (changed := [f for f, seen in marker.get("files", {}).items() if now.get(f) != seen]):
-                log(f"[data] warning: {len(changed)} input file(s) changed since the data stage read them (size or "
+            seen_then = marker.get("files")   # (a marker made before it kept them: nothing to compare)
+            if now is not None and seen_then is not None and (changed := [
+                    *(f for f, seen in seen_then.items() if now.get(f) != seen), *(f for f in now if f not in seen_then)]):
+                log(f"[data] warning: {len(changed)} input file(s) changed or added since the data stage read them (size or "
                     f"time; the first: {changed[0]}): this run goes on with the rows read then; add force=[data] to "
                     "read them again (answers regenerated before are taken from the cache)")
             results[name] = marker
