@@ -180,7 +180,7 @@ def _kind(path: Path) -> str:
 ROW_FILES = (".jsonl", ".json", ".parquet")
 # A file or folder named for a split, its whole name up to a separator (ultrachat_200k's train_sft / train_gen /
 # test_sft shards, a dataset's validation.jsonl, a train/ folder)
-SPLIT_NAME = re.compile(r"(?<![a-z0-9])((?:train|test|validation|valid|val|dev)[a-z0-9_]*)(?=[-./]|$)")
+SPLIT_NAME = re.compile(r"(?<![a-z0-9])((?:train|test|validation|valid|val|dev)(?:_[a-z]+)*)(?=[-._0-9]|$)")
 
 
 def _row_files(folder: Path) -> list[Path]:
@@ -213,15 +213,27 @@ def source_files(path: str | Path, warn: bool = False) -> list[Path]:
         base, files = path, _row_files(path)
         if not files:
             raise DataError(f"{path}: a folder without .jsonl, .json or .parquet files")
-    splits = {m.group(1): f"{base / str(f.relative_to(base))[:m.end()]}*" for f in files
-              if (m := SPLIT_NAME.search(str(f.relative_to(base)).lower()))}
+    splits: dict[str, str] = {}   # split name -> a pattern reading its files
+    counts: Counter = Counter()
+    for f in files:
+        parts = f.relative_to(base).parts
+        for i in reversed(range(len(parts))):   # the file's name first, then its folders from the innermost
+            if m := SPLIT_NAME.search(parts[i].lower()):
+                pattern = glob.escape(str(base.joinpath(*parts[:i], parts[i][:m.end()]))) + "*"
+                key = m.group(1)
+                # (the same split under several folders: all of them)
+                splits[key] = pattern if splits.get(key, pattern) == pattern else f"{glob.escape(str(base))}/**/{key}*"
+                counts[key] += 1
+                break
     if warn and len(splits) > 1:
         from train.log import log
 
-        example = next((v for k, v in sorted(splits.items()) if k.startswith("train")), next(iter(splits.values())))
+        train = [k for k in splits if k.startswith("train")]
+        pick = ("train" if "train" in train else next((k for k in train if "sft" in k), None)
+                or max(train or splits, key=counts.__getitem__))
         log(f"[data] warning: {path} holds files of several splits ({', '.join(sorted(splits))}), all read as one "
             f"source (a test split trained on, a split twice); to read one, give the source a pattern: path: "
-            f"'{example}'")
+            f"'{splits[pick]}'")
     return files
 
 
@@ -231,8 +243,8 @@ def source_name(path: str | Path) -> str:
     path = Path(path)
     if path.exists() or not glob.has_magic(str(path)):
         return path.stem
-    stem = re.sub(r"[*?\[\]]", "", Path(path.name).stem).strip("-_.")
-    return stem or Path(*itertools.takewhile(lambda part: not glob.has_magic(part), path.parts)).name
+    stem = re.sub(r"\[[^\]]*\]|[*?]", "", Path(path.name).stem).strip("-_.")
+    return stem if stem[:1].isalpha() else Path(*itertools.takewhile(lambda p: not glob.has_magic(p), path.parts)).name
 
 
 def read_rows(path: str | Path, on_error: str, errors: Counter) -> Iterator[tuple[str, object]]:

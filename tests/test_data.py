@@ -236,13 +236,26 @@ def test_a_downloaded_dataset_of_several_splits_warns_and_a_pattern_reads_one(tm
     got = list(read_source({"path": str(tmp_path / "ultrachat")}, "raise", Counter()))
     assert len(got) == 6 and len(said) == 1 and "several splits (test_sft, train_gen, train_sft)" in said[0]
     pattern = said[0].split("path: ")[1].strip("'")
-    assert pattern == f"{data}/train_gen*"
+    assert pattern == f"{data}/train_sft*"   # (the SFT split, not the first in name order)
     one = list(read_source({"path": pattern}, "raise", Counter()))
-    assert [c["messages"][0]["content"] for c in one] == ["train_gen 0", "train_gen 1"] and len(said) == 1
-    assert {c["source"] for c in one} == {"train_gen"}   # the pattern's name, not "train_gen*"
+    assert [c["messages"][0]["content"] for c in one] == ["train_sft 0", "train_sft 1"] and len(said) == 1
+    assert {c["source"] for c in one} == {"train_sft"}   # the pattern's name, not "train_sft*"
     said.clear()
     assert len(list(read_source({"path": f"{tmp_path}/ultrachat/*"}, "raise", Counter()))) == 6   # folders matched
     assert len(said) == 1   # (a pattern reading several splits is named too)
+    said.clear()
+    for names in (("train_00000.jsonl", "train_00001.jsonl"), ("train_part1.jsonl", "train_part2.jsonl")):
+        shards = tmp_path / names[0][:7]   # one split's numbered shards: no warning
+        shards.mkdir()
+        for name in names:
+            write_jsonl(shards / name, [json.dumps({"prompt": name})])
+        assert len(list(read_source({"path": str(shards)}, "raise", Counter()))) == 2 and said == []
+    for split in ("train", "validation"):
+        (tmp_path / "two" / "set [v2]" / split).mkdir(parents=True)
+        write_jsonl(tmp_path / "two" / "set [v2]" / split / "part-0.jsonl", [json.dumps({"prompt": split})])
+    list(read_source({"path": str(tmp_path / "two")}, "raise", Counter()))
+    pattern = said[0].split("path: ")[1].strip("'")   # the folder's name escaped: the pattern reads that split
+    assert [c["messages"][0]["content"] for c in read_source({"path": pattern}, "raise", Counter())] == ["train"]
     with pytest.raises(DataError, match="no .jsonl, .json or .parquet file matches"):
         list(read_source({"path": f"{data}/validation*"}, "raise", Counter()))
 

@@ -208,12 +208,30 @@ def test_a_data_file_edited_after_the_data_stage_is_named_when_it_is_skipped(tmp
             f.write(json.dumps({"prompt": "A new topic."}) + "\n")
         run_stages(cfg)
         (tmp_path / "my_prompts-1.jsonl").write_text(json.dumps({"prompt": "Another topic."}) + "\n")
-        caplog.clear()
+        (tmp_path / "my_prompts-notes.txt").write_text("not rows")   # matched, not read: not named
         run_stages(cfg)
-    assert [r.message for r in caplog.records if "input file(s) changed" in r.message] == [
-        f"[data] warning: 2 input file(s) changed or added since the data stage read them (size or time; the first: "
+    warned = [r.message for r in caplog.records if "input file(s) changed" in r.message]
+    assert [w.split(" since")[0] for w in warned] == ["[data] warning: 1 input file(s) changed or added",
+                                                       "[data] warning: 2 input file(s) changed or added"]
+    assert warned[0] == (
+        f"[data] warning: 1 input file(s) changed or added since the data stage read them (size or time; the first: "
         f"{path}): this run goes on with the rows read then; add force=[data] to read them again (answers "
-        "regenerated before are taken from the cache)"]
+        "regenerated before are taken from the cache)")
+    folder = tmp_path / "folder"   # a folder source: a README added beside its rows is no input, a shard is
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(json.dumps({"prompt": "Topic."}) + "\n")
+    cfg = make_cfg(["model=tiny-llama", "stages=[data]", f"data.sources=[{{path:'{folder}'}}]",
+                    "data.regen.max_new_tokens=8", f"output_root={tmp_path / 'out2'}"], tmp_path)
+    run_stages(cfg)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="specheads"):
+        (folder / "README.md").write_text("my prompts")
+        run_stages(cfg)
+        assert not [r for r in caplog.records if "input file(s) changed" in r.message]
+        (folder / "b.jsonl").write_text(json.dumps({"prompt": "Another."}) + "\n")
+        run_stages(cfg)
+    assert [r.message.split(" since")[0] for r in caplog.records if "input file(s) changed" in r.message] == [
+        "[data] warning: 1 input file(s) changed or added"]
 
 
 @pytest.mark.parametrize("env, device, gpus, error", [

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from data.formats import fsync_tree, write_atomic
+from data.formats import DataError, fsync_tree, source_files, write_atomic
 from train import dist
 from train.errors import MissingStageError, UserError
 from train.log import log
@@ -364,8 +364,11 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
             log(f"[{name}] up to date in {stage_dir(cfg, name)}; skipped")
             now = input_files(cfg) if name == "data" and dist.is_main() else None
             seen_then = marker.get("files")   # (a marker made before it kept them: nothing to compare)
+            added = [f for f in now or {} if seen_then is not None and f not in seen_then]
+            if added:   # (a folder's README or .DS_Store is no input)
+                added = [f for f in added if f in read_files(cfg)]
             if now is not None and seen_then is not None and (changed := [
-                    *(f for f, seen in seen_then.items() if now.get(f) != seen), *(f for f in now if f not in seen_then)]):
+                    *(f for f, seen in seen_then.items() if now.get(f) != seen), *added]):
                 log(f"[data] warning: {len(changed)} input file(s) changed or added since the data stage read them (size or "
                     f"time; the first: {changed[0]}): this run goes on with the rows read then; add force=[data] to "
                     "read them again (answers regenerated before are taken from the cache)")
@@ -493,17 +496,27 @@ def _write_marker(cfg: DictConfig, name: str, fp: str, start: float, out: dict |
     return marker
 
 
+def _source_paths(cfg: DictConfig) -> list[Path]:
+    """The local paths the data stage reads: ``data.sources`` paths (files, folders, patterns), ``eval.questions``."""
+    paths = [Path(str(s.path)) for s in cfg.data.sources if s.get("path")]
+    return paths + ([Path(str(cfg.eval.questions))] if cfg.eval.get("questions") else [])
+
+
+def read_files(cfg: DictConfig) -> set[str]:
+    """The files of :func:`_source_paths` the data stage reads rows from (a folder's .jsonl/.json/.parquet files)."""
+    out = set()
+    for p in _source_paths(cfg):
+        with suppress(DataError):
+            out.update(map(str, source_files(p)))
+    return out
+
+
 def input_files(cfg: DictConfig) -> dict[str, list[int]]:
     """Path -> [size, mtime_ns] of the local files the data stage reads (``data.sources`` paths, each file of a folder
     of shards, ``eval.questions``): a file edited after the stage ran is named when the stage is skipped (its
     fingerprint holds the config, not the files' contents)."""
-    from data.formats import DataError, source_files
-
-    paths = [Path(str(s.path)) for s in cfg.data.sources if s.get("path")]
-    if cfg.eval.get("questions"):
-        paths.append(Path(str(cfg.eval.questions)))
     files = []
-    for p in paths:
+    for p in _source_paths(cfg):
         with suppress(DataError):   # (a path gone: the data stage names it when it runs)
             files += source_files(p) if not p.is_dir() else [f for f in sorted(p.rglob("*")) if f.is_file()]
     return {str(f): [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
