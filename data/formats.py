@@ -200,7 +200,7 @@ def source_files(path: str | Path, warn: bool = False) -> list[Path]:
     source; ``warn``: with a warning naming a pattern that reads one split."""
     path = Path(path)
     if not path.exists() and glob.has_magic(str(path)):
-        base = Path(*itertools.takewhile(lambda part: not glob.has_magic(part), path.parts))
+        base = _pattern_base(path)
         files = sorted({f for match in map(Path, glob.glob(str(path), recursive=True))
                         for f in (_row_files(match) if match.is_dir() else [match] if _row_file(match) else [])})
         if not files:
@@ -244,7 +244,12 @@ def source_name(path: str | Path) -> str:
     if path.exists() or not glob.has_magic(str(path)):
         return path.stem
     stem = re.sub(r"\[[^\]]*\]|[*?]", "", Path(path.name).stem).strip("-_.")
-    return stem if stem[:1].isalpha() else Path(*itertools.takewhile(lambda p: not glob.has_magic(p), path.parts)).name
+    return stem if stem[:1].isalpha() else _pattern_base(path).name
+
+
+def _pattern_base(path: Path) -> Path:
+    """The folder a glob pattern starts from: its components before the first with a wildcard."""
+    return Path(*itertools.takewhile(lambda part: not glob.has_magic(part), path.parts))
 
 
 def read_rows(path: str | Path, on_error: str, errors: Counter) -> Iterator[tuple[str, object]]:
@@ -488,8 +493,7 @@ def rewrite_jsonl(path: Path, rows: Iterable[dict]) -> None:
 
 def prompt_key(messages: list[dict]) -> str:
     """Identity of a conversation's prompts (system + user turns), used for caching and leak checks."""
-    text = "\x1f".join(f"{m['role']}:{m['content']}" for m in messages if m["role"] != "assistant")
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
+    return conversation_key([m for m in messages if m["role"] != "assistant"])
 
 
 def conversation_key(messages: list[dict]) -> str:

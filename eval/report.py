@@ -50,12 +50,11 @@ def aggregate(records: list[dict]) -> list[dict]:
         plain_tps = sum(r["new_tokens"] for r in plain) / sum(r["wall_s"] for r in plain)
         # accept_len: per verify pass, the prefill's pass and token left out (what vLLM and the EAGLE papers call the
         # mean acceptance length, accepted drafts + 1); tau counts every pass, the prefill's too
-        turns = sum(r.get("turns", 1) for r in rs)
-        verifies = sum(r["cycles"] for r in rs) - turns
+        cycles, turns = sum(r["cycles"] for r in rs), sum(r.get("turns", 1) for r in rs)
+        verifies = cycles - turns
         rows.append({
             "dataset": dataset, "category": category, "method": method, "temperature": temperature,
-            "n_prompts": len(rs), "new_tokens": tokens, "cycles": sum(r["cycles"] for r in rs),
-            "tau": tokens / sum(r["cycles"] for r in rs),
+            "n_prompts": len(rs), "new_tokens": tokens, "cycles": cycles, "tau": tokens / cycles,
             "accept_len": (tokens - turns) / verifies if verifies else None,
             "tokens_per_s": tps, "plain_tokens_per_s": plain_tps, "speedup": tps / plain_tps,
             "draft_time_share": sum(r["draft_s"] for r in rs) / wall, **divergence_stats(rs),

@@ -364,11 +364,12 @@ def run_stages(cfg: DictConfig) -> dict[str, dict]:
             log(f"[{name}] up to date in {stage_dir(cfg, name)}; skipped")
             now = input_files(cfg) if name == "data" and dist.is_main() else None
             seen_then = marker.get("files")   # (a marker made before it kept them: nothing to compare)
-            added = [f for f in now or {} if seen_then is not None and f not in seen_then]
-            if added:   # (a folder's README or .DS_Store is no input)
-                added = [f for f in added if f in read_files(cfg)]
-            if now is not None and seen_then is not None and (changed := [
-                    *(f for f, seen in seen_then.items() if now.get(f) != seen), *added]):
+            changed = []
+            if now is not None and seen_then is not None:
+                changed = [f for f, seen in seen_then.items() if now.get(f) != seen]
+                if added := [f for f in now if f not in seen_then]:   # (a folder's README or .DS_Store is no input)
+                    changed += [f for f in added if f in read_files(cfg)]
+            if changed:
                 log(f"[data] warning: {len(changed)} input file(s) changed or added since the data stage read them (size or "
                     f"time; the first: {changed[0]}): this run goes on with the rows read then; add force=[data] to "
                     "read them again (answers regenerated before are taken from the cache)")
